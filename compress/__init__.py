@@ -1,0 +1,1 @@
+"""kvslim.compress: weight quantization into the compressed-tensors format, and the CLI front door."""

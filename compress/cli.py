@@ -1,0 +1,57 @@
+"""`compress`: the command-line front door.
+
+Each subcommand lives in ``compress/commands/<name>.py`` with ``add_parser(subparsers)`` and
+``run(args) -> int``. Command modules import heavy libraries (torch, transformers) inside
+``run`` only, so ``compress --help`` stays fast. User errors (``KvslimError``) print one line on stderr and exit with code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from compress.errors import KvslimError
+
+# name -> one-line help. Order is the order of `compress --help`.
+COMMANDS: dict[str, str] = {
+    "quantize": "quantize weights to FP8 / INT8 / INT4 (compressed-tensors)",
+    "inspect": "describe a checkpoint: layout, scheme, bytes, KV per token, vLLM kernel fit",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own usage errors: one line, exit 2
+        sys.stderr.write(f"compress: error: {message}\n")
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="compress", description="kvslim: compress, rewrite, serve and evaluate LLMs")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for name, help_text in COMMANDS.items():
+        module = importlib.import_module(f"compress.commands.{name}")
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_parser(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._module.run(args) or 0)
+    except KvslimError as e:
+        sys.stderr.write(f"compress {args.command}: error: {e}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("compress: interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""kvslim.eval: what compression cost (perplexity, lm-eval tasks, reports)."""
