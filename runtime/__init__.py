@@ -1,0 +1,1 @@
+"""kvslim.runtime: serving compressed checkpoints (decoder, paged KV cache, engine, server)."""

@@ -1,0 +1,31 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+from tests.tiny_models import ARCHITECTURES, make_tiny_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict:
+    """One tiny random fp32 checkpoint per supported architecture: {model_type: Path}."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: make_tiny_checkpoint(root / arch, arch) for arch in ARCHITECTURES}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_checkpoints):
+    return tiny_checkpoints["llama"]
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    """The real default model (SmolLM2-135M-Instruct, dequantized GGUF), converted once and cached."""
+    from compress.model_source import resolve_model
+
+    return resolve_model("smollm2")
