@@ -1,0 +1,207 @@
+"""kvslim modeling file, carried inside converted checkpoints (``auto_map``, ``trust_remote_code``).
+
+Adds to transformers' Llama / Mistral / Qwen2 / Qwen3 what their configs cannot express:
+
+- ``layer_types`` + ``sliding_window`` per layer (hybrid local/global attention) for every family;
+- ``kv_source_layers``: layer ``i`` attends with the (rotated, cached) K/V of layer
+  ``kv_source_layers[i]``; a reader layer has no ``k_proj`` / ``v_proj`` and stores no cache.
+
+Self-contained on purpose (it travels with checkpoints): imports only torch and transformers.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.cache_utils import DynamicCache
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama import modeling_llama
+from transformers.models.mistral import modeling_mistral
+from transformers.models.qwen2 import modeling_qwen2
+from transformers.models.qwen3 import modeling_qwen3
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+KV_SOURCE_KEY = "kv_source_layers"
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+
+def _layer_types(config) -> list[str]:
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        kind = SLIDING if getattr(config, "sliding_window", None) is not None else FULL
+        types = [kind] * config.num_hidden_layers
+    return list(types)
+
+
+def _kv_sources(config) -> list[int]:
+    return list(getattr(config, KV_SOURCE_KEY, None) or range(config.num_hidden_layers))
+
+
+class KvslimAttentionMixin:
+    """Attention that honours a per-layer window and reads another layer's K/V when told to."""
+
+    qk_norm: bool = False  # Qwen3 normalises q and k per head before rotary
+
+    def setup_kvslim(self, config, layer_idx: int) -> None:
+        self.kv_source = _kv_sources(config)[layer_idx]
+        self.sliding_window = config.sliding_window if _layer_types(config)[layer_idx] == SLIDING else None
+        if self.kv_source != layer_idx:
+            del self.k_proj, self.v_proj
+            if self.qk_norm:
+                del self.k_norm
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
+                shared_kv: dict | None = None, **kwargs):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query = self.q_proj(hidden_states).view(hidden_shape)
+        if self.qk_norm:
+            query = self.q_norm(query)
+        query = query.transpose(1, 2)
+        cos, sin = position_embeddings
+        if self.kv_source == self.layer_idx:
+            key = self.k_proj(hidden_states).view(hidden_shape)
+            if self.qk_norm:
+                key = self.k_norm(key)
+            key = key.transpose(1, 2)
+            value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+            query, key = modeling_llama.apply_rotary_pos_emb(query, key, cos, sin)
+            if past_key_values is not None:
+                key, value = past_key_values.update(key, value, self.layer_idx)
+            if shared_kv is not None:
+                shared_kv[self.layer_idx] = (key, value)
+        else:
+            query, _ = modeling_llama.apply_rotary_pos_emb(query, query[:, :1], cos, sin)
+            key, value = shared_kv[self.kv_source]
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, modeling_llama.eager_attention_forward
+        )
+        out, weights = interface(
+            self, query, key, value, attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling, sliding_window=self.sliding_window, **kwargs,
+        )
+        return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+
+class KvslimModelMixin:
+    """Decoder stack with one mask per layer type and a per-forward store of the owners' K/V."""
+
+    attention_class: type
+
+    def setup_kvslim(self, config) -> None:
+        for i, layer in enumerate(self.layers):
+            attn = self.attention_class(config, i)
+            attn.setup_kvslim(config, i)
+            layer.self_attn = attn
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, use_cache=None, **kwargs):
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        if position_ids is None:
+            past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen
+            position_ids = position_ids.unsqueeze(0)
+        types = _layer_types(self.config)
+        masks = attention_mask
+        if not isinstance(masks, dict):
+            mask_kwargs = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                               past_key_values=past_key_values, position_ids=position_ids)
+            masks = {FULL: create_causal_mask(**mask_kwargs)}
+            if SLIDING in types:
+                masks[SLIDING] = create_sliding_window_causal_mask(**mask_kwargs)
+        hidden = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        shared_kv: dict = {}
+        for i, layer in enumerate(self.layers[: self.config.num_hidden_layers]):
+            hidden = layer(hidden, attention_mask=masks[types[i]], position_embeddings=position_embeddings,
+                           position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
+                           shared_kv=shared_kv, **kwargs)
+        hidden = self.norm(hidden)
+        return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values if use_cache else None)
+
+
+class KvslimLlamaAttention(KvslimAttentionMixin, modeling_llama.LlamaAttention):
+    pass
+
+
+class KvslimLlamaModel(KvslimModelMixin, modeling_llama.LlamaModel):
+    attention_class = KvslimLlamaAttention
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.setup_kvslim(config)
+
+
+class KvslimLlamaForCausalLM(modeling_llama.LlamaForCausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = KvslimLlamaModel(config)
+        self.post_init()
+
+
+class KvslimMistralAttention(KvslimAttentionMixin, modeling_mistral.MistralAttention):
+    pass
+
+
+class KvslimMistralModel(KvslimModelMixin, modeling_mistral.MistralModel):
+    attention_class = KvslimMistralAttention
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.setup_kvslim(config)
+
+
+class KvslimMistralForCausalLM(modeling_mistral.MistralForCausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = KvslimMistralModel(config)
+        self.post_init()
+
+
+class KvslimQwen2Attention(KvslimAttentionMixin, modeling_qwen2.Qwen2Attention):
+    pass
+
+
+class KvslimQwen2Model(KvslimModelMixin, modeling_qwen2.Qwen2Model):
+    attention_class = KvslimQwen2Attention
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.setup_kvslim(config)
+
+
+class KvslimQwen2ForCausalLM(modeling_qwen2.Qwen2ForCausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = KvslimQwen2Model(config)
+        self.post_init()
+
+
+class KvslimQwen3Attention(KvslimAttentionMixin, modeling_qwen3.Qwen3Attention):
+    qk_norm = True
+
+
+class KvslimQwen3Model(KvslimModelMixin, modeling_qwen3.Qwen3Model):
+    attention_class = KvslimQwen3Attention
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.setup_kvslim(config)
+
+
+class KvslimQwen3ForCausalLM(modeling_qwen3.Qwen3ForCausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = KvslimQwen3Model(config)
+        self.post_init()

@@ -1,0 +1,60 @@
+"""The modeling files kvslim writes into checkpoints, and how to recognise them.
+
+A converted checkpoint whose layout plain transformers cannot express (hybrid sliding window on
+Llama/Mistral, cross-layer KV sharing anywhere) carries ``modeling_kvslim.py`` and an ``auto_map``
+pointing at it, so it loads with ``trust_remote_code=True``. Evaluation code should allow
+``trust_remote_code`` only when :func:`checkpoint_code_is_ours` says every ``.py`` file in the
+checkpoint is byte-identical to one of ours.
+"""
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+from compress.errors import KvslimError
+
+MODELING_DIR = Path(__file__).resolve().parent / "modeling"
+MODELING_FILE = "modeling_kvslim.py"
+
+# model_type -> the class in our modeling file that loads it.
+CAUSAL_LM_CLASSES: dict[str, str] = {
+    "llama": "KvslimLlamaForCausalLM",
+    "mistral": "KvslimMistralForCausalLM",
+    "qwen2": "KvslimQwen2ForCausalLM",
+    "qwen3": "KvslimQwen3ForCausalLM",
+}
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def known_modeling_hashes() -> dict[str, str]:
+    """``{filename: sha256}`` of every modeling file kvslim writes into checkpoints."""
+    return {p.name: _sha256(p) for p in sorted(MODELING_DIR.glob("modeling_*.py"))}
+
+
+def is_our_modeling_file(path: str | Path) -> bool:
+    """True when ``path`` has the name and the exact bytes of one of our modeling files."""
+    path = Path(path)
+    expected = known_modeling_hashes().get(path.name)
+    return expected is not None and path.is_file() and _sha256(path) == expected
+
+
+def checkpoint_code_is_ours(checkpoint_dir: str | Path) -> bool:
+    """True when the checkpoint carries at least one ``.py`` file and all of them are ours."""
+    files = sorted(Path(checkpoint_dir).glob("*.py"))
+    return bool(files) and all(is_our_modeling_file(p) for p in files)
+
+
+def auto_map_for(model_type: str) -> dict[str, str]:
+    """The ``auto_map`` entry that points transformers at our class for ``model_type``."""
+    if model_type not in CAUSAL_LM_CLASSES:
+        raise KvslimError(f"kvslim's modeling file does not cover model_type {model_type}")
+    return {"AutoModelForCausalLM": f"{Path(MODELING_FILE).stem}.{CAUSAL_LM_CLASSES[model_type]}"}
+
+
+def write_modeling_file(out: Path) -> None:
+    """Copy our modeling file into a checkpoint directory being written."""
+    shutil.copy2(MODELING_DIR / MODELING_FILE, Path(out) / MODELING_FILE)
