@@ -1,0 +1,50 @@
+"""Scheme presets serialise exactly as compressed-tensors' own models do."""
+from __future__ import annotations
+
+import pytest
+
+from compress.errors import KvslimError
+from compress.schemes import FP8_DYNAMIC, PRESETS, W4A16, W8A16, default_scheme, scheme_from_config_group
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_config_group_is_compressed_tensors_model_dump(name):
+    from compressed_tensors.quantization import QuantizationScheme, preset_name_to_scheme
+
+    scheme = PRESETS[name]
+    ours = scheme.to_config_group()
+    theirs = QuantizationScheme.model_validate(ours).model_dump()
+    assert ours == theirs
+    # Same fields as compressed-tensors' preset of that name; group size / strategy may differ
+    # (the presets' group 128 does not divide the default model's 576 features).
+    preset = preset_name_to_scheme(name, ["Linear"]).model_dump()
+    for part in ("weights", "input_activations"):
+        p, o = preset[part], ours[part]
+        if p is None:
+            assert o is None
+            continue
+        for key in ("num_bits", "type", "symmetric", "dynamic"):
+            assert o[key] == p[key], (part, key)
+    assert scheme_from_config_group(ours) == scheme
+
+
+def test_with_options():
+    assert W8A16.with_options(group_size=64).group_size == 64
+    asym = W4A16.with_options(symmetric=False)
+    assert asym.name == "W4A16_ASYM" and not asym.symmetric
+    with pytest.raises(KvslimError):
+        FP8_DYNAMIC.with_options(group_size=32)
+    with pytest.raises(KvslimError):
+        W4A16.with_options(group_size=0)
+
+
+def test_group_check_names_the_layer():
+    with pytest.raises(KvslimError, match="q_proj.*576"):
+        W4A16.with_options(group_size=128).check_input_features(576, "q_proj")
+    W4A16.with_options(group_size=64).check_input_features(576, "q_proj")
+
+
+def test_defaults():
+    assert default_scheme("fp8") is FP8_DYNAMIC
+    assert default_scheme("int8") is W8A16
+    assert default_scheme("int4").num_bits == 4
