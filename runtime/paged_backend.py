@@ -1,0 +1,159 @@
+"""``AttentionBackend`` over the paged KV cache, in plain torch (the CPU path).
+
+The engine builds a ``PagedBatch`` per step (from the scheduler's output and the block tables)
+and hands it to the backend with ``set_batch``; the decoder then calls ``attend`` per layer.
+Sequences decoding one token are attended together (their blocks gathered into one padded
+batch); sequences with several new tokens (prefill chunks) one at a time, over their cached
+prefix plus the chunk. Quantized caches are dequantized on read; math is fp32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from runtime.attention_backend import AttentionParams
+from runtime.block_manager import RELEASED
+from runtime.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    """One step's attention metadata (the layout shared with ``runtime/kernels``).
+
+    ``block_tables[g]`` int32 ``[num_seqs, max_blocks]`` (released / unused entries are 0 and
+    never read), ``context_lens`` int32 ``[num_seqs]`` (tokens in the cache after this step),
+    ``slot_mapping[g]`` int64 ``[T]`` (block * block_size + offset of each new token),
+    ``query_start_loc`` int32 ``[num_seqs + 1]``, ``positions`` int64 ``[T]``.
+    """
+
+    block_size: int
+    query_lens: tuple[int, ...]
+    first_positions: tuple[int, ...]
+    positions: torch.Tensor
+    query_start_loc: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: tuple[torch.Tensor, ...]
+    slot_mapping: tuple[torch.Tensor, ...]
+    decode_seqs: torch.Tensor  # indices of sequences with exactly one new token
+    decode_rows: torch.Tensor  # their rows in the flattened batch
+
+    @classmethod
+    def build(
+        cls,
+        block_size: int,
+        first_positions: Sequence[int],
+        query_lens: Sequence[int],
+        tables: Sequence[Sequence[Sequence[int]]],  # per sequence, per group: block table
+        device: torch.device | str = "cpu",
+    ) -> "PagedBatch":
+        num_groups = len(tables[0]) if tables else 0
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(first_positions, query_lens)])
+        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
+        block_tables, slot_mapping = [], []
+        for g in range(num_groups):
+            width = max(len(t[g]) for t in tables)
+            bt = torch.zeros(len(tables), width, dtype=torch.int32)
+            for i, t in enumerate(tables):
+                row = torch.tensor(t[g], dtype=torch.int32)
+                bt[i, : len(row)] = row.clamp_min(0) if RELEASED in t[g] else row
+            slots = bt[seq_of_token, positions // block_size].long() * block_size + positions % block_size
+            block_tables.append(bt.to(device))
+            slot_mapping.append(slots.to(device))
+        decode = [i for i, n in enumerate(query_lens) if n == 1]
+        return cls(
+            block_size=block_size,
+            query_lens=tuple(query_lens),
+            first_positions=tuple(first_positions),
+            positions=positions.to(device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            context_lens=torch.tensor([p + n for p, n in zip(first_positions, query_lens)], dtype=torch.int32, device=device),
+            block_tables=tuple(block_tables),
+            slot_mapping=tuple(slot_mapping),
+            decode_seqs=torch.tensor(decode, dtype=torch.long, device=device),
+            decode_rows=torch.tensor([starts[i] for i in decode], dtype=torch.long, device=device),
+        )
+
+
+def _attend(
+    q: torch.Tensor,  # [S, Tq, H, D] fp32
+    k: torch.Tensor,  # [S, Tk, KVH, D] fp32
+    v: torch.Tensor,
+    allowed: torch.Tensor,  # [S, Tq, Tk] bool
+    params: AttentionParams,
+) -> torch.Tensor:
+    s, tq, h, d = q.shape
+    kvh = k.shape[2]
+    qh = q.view(s, tq, kvh, h // kvh, d).permute(0, 2, 3, 1, 4)  # [S, KVH, rep, Tq, D]
+    kt = k.permute(0, 2, 3, 1).unsqueeze(2)  # [S, KVH, 1, D, Tk]
+    scores = torch.matmul(qh, kt) * params.scale  # [S, KVH, rep, Tq, Tk]
+    if params.softcap is not None:
+        scores = torch.tanh(scores / params.softcap) * params.softcap
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v.permute(0, 2, 1, 3).unsqueeze(2))  # [S, KVH, rep, Tq, D]
+    return out.permute(0, 3, 1, 2, 4).reshape(s, tq, h, d)
+
+
+class PagedAttentionBackend:
+    """Writes new K/V into the paged cache and attends over it (torch reference path)."""
+
+    def __init__(self, cache: KVCache, params: Sequence[AttentionParams]):
+        self.cache = cache
+        self.params = tuple(params)
+        self.batch: PagedBatch | None = None
+
+    def set_batch(self, batch: PagedBatch) -> None:
+        self.batch = batch
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
+        batch = self.batch
+        assert batch is not None, "set_batch() before attend()"
+        g, _ = self.cache.spec.layer_slots[layer_idx]
+        params = self.params[layer_idx]
+        if k is not None:
+            self.cache.write(layer_idx, k, v, batch.slot_mapping[g])
+        out = torch.empty_like(q)
+        bs = batch.block_size
+        window = params.window
+        table = batch.block_tables[g]
+        if batch.decode_seqs.numel():
+            idx, rows = batch.decode_seqs, batch.decode_rows
+            ctx = batch.context_lens[idx].long()  # [S]
+            if window is None:
+                cols = torch.arange(-(-int(ctx.max()) // bs)).expand(len(idx), -1)
+            else:
+                n = -(-(window + bs - 1) // bs)
+                cols = (ctx - window).clamp_min(0).div(bs, rounding_mode="floor")[:, None] + torch.arange(n)
+            # Columns past a table's end read block 0; their key positions are >= ctx, so masked.
+            blocks = table[idx[:, None], cols.clamp_max(table.shape[1] - 1)]
+            kk, vv = self.cache.gather(layer_idx, blocks, torch.float32)
+            key_pos = (cols[:, :, None] * bs + torch.arange(bs)).flatten(1)  # [S, Tk]
+            allowed = key_pos < ctx[:, None]
+            if window is not None:
+                allowed &= key_pos >= (ctx - window)[:, None]
+            o = _attend(q[rows].float().unsqueeze(1), kk, vv, allowed.unsqueeze(1), params)
+            out[rows] = o.squeeze(1).to(q.dtype)
+        starts = batch.query_start_loc.tolist()
+        for i, n in enumerate(batch.query_lens):
+            if n == 1:
+                continue
+            first = batch.first_positions[i]
+            ctx = first + n
+            lo = 0 if window is None else max(0, first - window + 1) // bs
+            cols = torch.arange(lo, -(-ctx // bs))
+            kk, vv = self.cache.gather(layer_idx, table[i, cols].unsqueeze(0), torch.float32)
+            key_pos = (cols[:, None] * bs + torch.arange(bs)).flatten()
+            q_pos = torch.arange(first, ctx)
+            dist = q_pos[:, None] - key_pos[None, :]
+            allowed = dist >= 0
+            if window is not None:
+                allowed &= dist < window
+            rows = slice(starts[i], starts[i] + n)
+            o = _attend(q[rows].float().unsqueeze(0), kk, vv, allowed.unsqueeze(0), params)
+            out[rows] = o.squeeze(0).to(q.dtype)
+        return out
