@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,11 +66,26 @@ def _gguf_cache_dir(gguf: Path) -> Path:
     return cache_root() / "models" / f"{gguf.stem}-{key}"
 
 
+def check_gguf(gguf: Path) -> None:
+    """Parse a GGUF's header and tensor table; a truncated or foreign file is a one-line error."""
+    import gguf as gguf_lib
+
+    try:
+        reader = gguf_lib.GGUFReader(str(gguf))
+        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    except (ValueError, KeyError, IndexError, OSError, struct.error) as e:
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise KvslimError(f"{gguf}: cannot read GGUF (truncated or corrupt: {detail})") from None
+    if end > gguf.stat().st_size:
+        raise KvslimError(f"{gguf}: cannot read GGUF (truncated: tensors end at byte {end}, file has {gguf.stat().st_size})")
+
+
 def gguf_to_checkpoint(gguf: Path, out: Path) -> Path:
     """Dequantize a GGUF into an fp32 safetensors checkpoint (tokenizer and generation config too)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_gguf(gguf)
     with atomic_output_dir(out, force=True) as tmp:
         try:
             model = AutoModelForCausalLM.from_pretrained(
