@@ -1,0 +1,49 @@
+import pytest
+
+from attention_variants.layout import AttentionLayout
+from runtime.kv_cache import KVCache, KVCacheSpec
+from runtime.kv_report import report_variant, share_pairs, variant_configs
+
+BASE = dict(num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=3, hidden_size=96, head_dim=16)
+
+
+def test_shared_layers_allocate_nothing():
+    layout = AttentionLayout.from_config({**BASE, "kv_source_layers": share_pairs(["full_attention"] * 6)})
+    spec = KVCacheSpec.from_layout(layout, "bf16", block_size=4)
+    assert [g.layers for g in spec.groups] == [(0, 2, 4)]
+    cache = KVCache(spec, (10,))
+    assert cache.group_nbytes(0) == 3 * 2 * 10 * 4 * 3 * 16 * 2
+    assert cache.layers[1].k_cache.data_ptr() == cache.layers[0].k_cache.data_ptr()
+    assert cache.layers[3].k_cache.data_ptr() != cache.layers[0].k_cache.data_ptr()
+
+
+def test_groups_split_by_window_and_dtype_scales():
+    cfg = {**BASE, "sliding_window": 8, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
+    spec = KVCacheSpec.from_layout(AttentionLayout.from_config(cfg), "int8", block_size=4)
+    assert [(g.kind, g.window, len(g.layers)) for g in spec.groups] == [("sliding", 8, 5), ("full", None, 1)]
+    assert spec.block_bytes(1) == 2 * 4 * 3 * (16 * 1 + 4)  # int8 values + fp32 per token/head scales
+    assert spec.max_blocks_per_seq(0, 64) == 3 and spec.max_blocks_per_seq(1, 64) == 16
+
+
+@pytest.mark.parametrize("name", list(variant_configs(BASE, window=16, full_every=3)))
+def test_formula_equals_counted_and_capacity_fits_budget(name):
+    cfg, kv_dtype = variant_configs(BASE, window=16, full_every=3)[name]
+    budget, seq_len = 2 << 20, 64
+    r = report_variant(name, cfg, kv_dtype, budget, seq_len, block_size=4)
+    assert r.allocated_bytes <= budget
+    assert r.counted_bytes_per_token == pytest.approx(r.formula_bytes_per_token)
+    for g in r.groups:
+        assert g.counted_bytes_per_token == pytest.approx(g.formula_bytes_per_token)
+    # Every admitted sequence fits; one more would not. The planner reserves a decoding
+    # sequence's worst case per sliding group (the window straddling one more block).
+    assert r.capacity_seqs * seq_len * r.counted_bytes_per_token <= budget
+    spec = KVCacheSpec.from_layout(AttentionLayout.from_config(cfg), kv_dtype, 4)
+    reserved = sum(spec.max_blocks_per_seq(g, seq_len) * spec.block_bytes(g) for g in range(len(spec.groups)))
+    assert (r.capacity_seqs + 1) * reserved > budget * 0.97
+
+
+def test_variants_beat_original():
+    reports = {n: report_variant(n, c, d, 4 << 20, 64, 4) for n, (c, d) in variant_configs(BASE, 16, 3).items()}
+    base = reports["original bf16"].capacity_seqs
+    assert all(r.capacity_seqs > base for n, r in reports.items() if n != "original bf16")
+    assert reports["MQA (1 KV head)"].capacity_seqs >= 2.9 * base
