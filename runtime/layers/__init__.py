@@ -1,0 +1,1 @@
+"""Decoder building blocks: linear (dense and quantized), attention, rotary, norm, MLP."""

@@ -1,0 +1,211 @@
+"""Linear layers for every weight storage the runtime serves, dispatched on the declared scheme.
+
+- ``DenseLinear``: fp32 / bf16 / fp16 weights.
+- ``Fp8Linear``: ``float-quantized`` FP8 E4M3 weight + scale; dequantized per forward; with the
+  FP8_DYNAMIC scheme the input is fake-quantized to FP8 per token first (what an FP8 GEMM sees).
+- ``PackedIntLinear``: ``pack-quantized`` INT4 / INT8 (W4A16, W8A16, symmetric or not, group or
+  channel, act-order). Keeps the on-disk int32 words and dequantizes per forward with
+  ``compress.primitives.dequantize_linear`` (bit-identical to compressed-tensors).
+- ``Int8PackLinear`` / ``Int4PackLinear``: the same weights repacked for torch's CPU weight-only
+  kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``), used with bf16
+  activations, where they beat dequantize-then-matmul; same bytes as the packed weights.
+
+Weights stay compressed in memory: every class holds at most the on-disk bytes of its weight plus
+a small per-group overhead. ``make_linear`` picks the class.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compress.errors import CheckpointError
+from compress.primitives import FP8_DTYPE, decode_linear, dequantize_linear
+from compress.schemes import QuantScheme
+
+FP8_MAX = 448.0
+INT4_KERNEL_GROUPS = (32, 64, 128, 256)
+
+
+def _buffer(module: nn.Module, name: str, t: torch.Tensor | None) -> None:
+    module.register_buffer(name, None if t is None else t.contiguous(), persistent=False)
+
+
+class DenseLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        _buffer(self, "weight", weight.to(dtype))
+        _buffer(self, "bias", None if bias is None else bias.to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def fake_quantize_fp8_per_token(x: torch.Tensor) -> torch.Tensor:
+    """Dynamic symmetric per-token FP8 quantize-dequantize (scale = amax / 448), in x's dtype.
+
+    Matches compressed-tensors' dynamic ``token`` strategy for ``float`` 8-bit activations.
+    """
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX
+    scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale).to(x.dtype).float()
+    q = torch.clamp(xf / scale, -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return (q.float() * scale).to(x.dtype)
+
+
+class _QuantizedLinear(nn.Module):
+    """Common parts: shapes, bias, the scheme, and the dequantized reference weight."""
+
+    scheme: QuantScheme
+
+    def __init__(self, scheme: QuantScheme, shape: tuple[int, int], bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.scheme = scheme
+        self.out_features, self.in_features = shape
+        self.dtype = dtype
+        _buffer(self, "bias", None if bias is None else bias.to(dtype))
+
+    def dequantized_weight(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.scheme.describe()}"
+
+
+class Fp8Linear(_QuantizedLinear):
+    def __init__(self, tensors: dict[str, torch.Tensor], scheme: QuantScheme, bias, dtype):
+        super().__init__(scheme, tuple(tensors["weight"].shape), bias, dtype)
+        _buffer(self, "weight", tensors["weight"])
+        _buffer(self, "weight_scale", tensors["weight_scale"])
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return dequantize_linear({"weight": self.weight, "weight_scale": self.weight_scale}, self.scheme)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scheme.input_activations is not None:
+            x = fake_quantize_fp8_per_token(x)
+        return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
+
+
+class PackedIntLinear(_QuantizedLinear):
+    """``pack-quantized`` weights kept as stored; dequantized per forward."""
+
+    NAMES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
+
+    def __init__(self, tensors: dict[str, torch.Tensor], scheme: QuantScheme, bias, dtype):
+        shape = tuple(int(v) for v in tensors["weight_shape"].tolist())
+        super().__init__(scheme, shape, bias, dtype)
+        for name in self.NAMES:
+            _buffer(self, name, tensors.get(name))
+
+    def dequantized_weight(self) -> torch.Tensor:
+        tensors = {n: getattr(self, n) for n in self.NAMES if getattr(self, n) is not None}
+        return dequantize_linear(tensors, self.scheme)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
+
+
+class Int8PackLinear(_QuantizedLinear):
+    """Symmetric per-channel INT8 for ``torch.ops.aten._weight_int8pack_mm`` (bf16 activations)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], scheme: QuantScheme, bias, dtype):
+        q, scale, _, _ = decode_linear(tensors, scheme)
+        super().__init__(scheme, tuple(q.shape), bias, dtype)
+        _buffer(self, "weight_int8", q)
+        _buffer(self, "scale", scale.reshape(-1).to(dtype))
+
+    @staticmethod
+    def supports(scheme: QuantScheme, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> bool:
+        return (dtype == torch.bfloat16 and scheme.num_bits == 8 and scheme.symmetric
+                and scheme.strategy == "channel" and "weight_g_idx" not in tensors)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.weight_int8.to(self.scale.dtype) * self.scale[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight_int8, self.scale)
+        y = y.reshape(*lead, self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4PackLinear(_QuantizedLinear):
+    """INT4 (group or channel, symmetric or not) for ``_weight_int4pack_mm_for_cpu`` (bf16).
+
+    The kernel computes ``w = (u - 8) * scale + zero`` with ``u`` the unsigned nibble; a
+    compressed-tensors value ``q = u - 8`` with zero point ``zp`` is ``(q - zp) * scale``, so
+    ``zero = -zp * scale``.
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor], scheme: QuantScheme, bias, dtype):
+        q, scale, zp, _ = decode_linear(tensors, scheme)
+        super().__init__(scheme, tuple(q.shape), bias, dtype)
+        out, cols = q.shape
+        self.group_size = int(scheme.group_size or cols)
+        unsigned = (q.to(torch.int32) + 8).contiguous()
+        _buffer(self, "weight_int4", torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1))
+        scale = scale.reshape(out, -1).float()
+        zero = torch.zeros_like(scale) if zp is None else -zp.reshape(out, -1).float() * scale
+        _buffer(self, "scale_and_zeros", torch.stack([scale.t(), zero.t()], dim=-1).to(dtype))
+
+    @staticmethod
+    def supports(scheme: QuantScheme, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> bool:
+        out, cols = (int(v) for v in tensors["weight_shape"].tolist())
+        group = int(scheme.group_size or cols)
+        return (dtype == torch.bfloat16 and scheme.num_bits == 4 and "weight_g_idx" not in tensors
+                and out % 16 == 0 and group in INT4_KERNEL_GROUPS and cols % group == 0)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        eye = torch.eye(self.in_features, dtype=self.dtype)
+        return self.forward_nobias(eye).t()
+
+    def forward_nobias(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, self.in_features), self.weight_int4, self.group_size, self.scale_and_zeros
+        )
+        return y.reshape(*lead, self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.forward_nobias(x)
+        return y if self.bias is None else y + self.bias
+
+
+def make_linear(
+    name: str,
+    tensors: dict[str, torch.Tensor],
+    scheme: QuantScheme | None,
+    dtype: torch.dtype,
+    use_cpu_kernels: bool = True,
+) -> nn.Module:
+    """Build the Linear for module ``name`` from its checkpoint tensors (names relative to it).
+
+    ``scheme`` is the declared quantization of this Linear (``None``: floating point).
+    ``use_cpu_kernels=False`` forces the dequantize-per-forward path (the numerical reference).
+    """
+    bias = tensors.get("bias")
+    if scheme is None:
+        if "weight" not in tensors or not tensors["weight"].is_floating_point() or tensors["weight"].dtype == FP8_DTYPE:
+            raise CheckpointError(f"{name}: expected a floating-point weight (no quantization declared for it)")
+        return DenseLinear(tensors["weight"], bias, dtype)
+    needed = ("weight", "weight_scale") if not scheme.is_packed else ("weight_packed", "weight_scale", "weight_shape")
+    if not scheme.symmetric and scheme.is_packed:
+        needed += ("weight_zero_point",)
+    missing = [n for n in needed if n not in tensors]
+    if missing:
+        raise CheckpointError(f"{name}: scheme {scheme.name} needs tensors {', '.join(name + '.' + m for m in missing)}")
+    if not scheme.is_packed:
+        if scheme.type == "float" and tensors["weight"].dtype != FP8_DTYPE:
+            raise CheckpointError(f"{name}.weight is {tensors['weight'].dtype}, scheme {scheme.name} declares FP8")
+        if scheme.type != "float":
+            raise CheckpointError(f"{name}: unpacked integer weights (int-quantized) are not supported")
+        return Fp8Linear(tensors, scheme, bias, dtype)
+    if tensors["weight_packed"].dtype != torch.int32:
+        raise CheckpointError(f"{name}.weight_packed must be int32, found {tensors['weight_packed'].dtype}")
+    if use_cpu_kernels and Int4PackLinear.supports(scheme, tensors, dtype):
+        return Int4PackLinear(tensors, scheme, bias, dtype)
+    if use_cpu_kernels and Int8PackLinear.supports(scheme, tensors, dtype):
+        return Int8PackLinear(tensors, scheme, bias, dtype)
+    return PackedIntLinear(tensors, scheme, bias, dtype)

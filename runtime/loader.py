@@ -1,0 +1,103 @@
+"""Checkpoint directory -> ``Decoder``: config.json and safetensors only, never code or pickles.
+
+Each Linear is built from its tensors and the scheme ``quantization_config`` declares for it
+(``runtime.layers.linear.make_linear``). Every tensor of the checkpoint must be used: a leftover
+means the runtime misread the checkpoint, and loading stops with a ``CheckpointError`` naming it.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from compress.checkpoint import Checkpoint
+from compress.errors import CheckpointError, KvslimError
+from runtime.layers.linear import make_linear
+from runtime.models.decoder import Decoder
+from runtime.spec import ModelSpec
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Tensors a checkpoint may carry that the decoder does not need.
+IGNORABLE = (
+    re.compile(r".*\.rotary_emb\.inv_freq$"),
+    re.compile(r".*\.self_attn\.[kv]_scale$"),  # KV-cache scales: read by the cache, not the weights
+)
+LINEAR_TENSORS = ("weight", "bias", "weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise KvslimError(f"dtype {dtype} is not supported (use one of {', '.join(DTYPES)})")
+        return dtype
+    if dtype not in DTYPES:
+        raise KvslimError(f"dtype {dtype!r} is not supported (use one of {', '.join(DTYPES)})")
+    return DTYPES[dtype]
+
+
+class CheckpointWeights:
+    """``WeightSource`` over an open checkpoint; records which tensors were taken."""
+
+    def __init__(self, ckpt: Checkpoint, spec: ModelSpec, dtype: torch.dtype, use_cpu_kernels: bool) -> None:
+        self.ckpt, self.spec, self.dtype, self.use_cpu_kernels = ckpt, spec, dtype, use_cpu_kernels
+        self.used: set[str] = set()
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if not self.ckpt.has(name):
+            raise CheckpointError(f"{self.ckpt.path}: missing tensor {name}")
+        self.used.add(name)
+        t = self.ckpt.get(name)
+        if not t.is_floating_point():
+            raise CheckpointError(f"{name}: expected a floating-point tensor, found {t.dtype}")
+        return t
+
+    def linear(self, name: str, bias: bool) -> nn.Module:
+        tensors = {}
+        for suffix in LINEAR_TENSORS:
+            full = f"{name}.{suffix}"
+            if self.ckpt.has(full):
+                tensors[suffix] = self.ckpt.get(full)
+                self.used.add(full)
+        if not tensors:
+            raise CheckpointError(f"{self.ckpt.path}: missing tensor {name}.weight")
+        if bias != ("bias" in tensors):
+            state = "has no" if bias else "has an unexpected"
+            raise CheckpointError(f"{self.ckpt.path}: {name} {state} bias (config says bias={bias})")
+        scheme = self.spec.quant.scheme_for(name) if self.spec.quant else None
+        return make_linear(name, tensors, scheme, self.dtype, self.use_cpu_kernels)
+
+    def check_all_used(self) -> None:
+        left = sorted(n for n in self.ckpt.names() if n not in self.used and not any(p.match(n) for p in IGNORABLE))
+        if left:
+            more = f" and {len(left) - 3} more" if len(left) > 3 else ""
+            raise CheckpointError(f"{self.ckpt.path}: tensors the runtime does not understand: {', '.join(left[:3])}{more}")
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype = "float32", use_cpu_kernels: bool = True) -> Decoder:
+    """Load a checkpoint directory into a ``Decoder`` in eval mode.
+
+    ``dtype``: activation and dense-weight dtype. Quantized weights stay in their packed form.
+    ``use_cpu_kernels``: use torch's weight-only INT4/INT8 CPU kernels where they apply (bf16).
+    """
+    ckpt = Checkpoint.open(path)
+    spec = ModelSpec.from_config(ckpt.config)
+    weights = CheckpointWeights(ckpt, spec, resolve_dtype(dtype), use_cpu_kernels)
+    with torch.no_grad():
+        model = Decoder(spec, weights, resolve_dtype(dtype))
+    weights.check_all_used()
+    return model.eval().requires_grad_(False)
+
+
+def live_weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer of ``model``, counting shared storage once."""
+    seen: set[int] = set()
+    total = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total

@@ -1,0 +1,1 @@
+"""The generic decoder model driven by ``runtime.spec.ModelSpec``."""

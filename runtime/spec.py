@@ -1,0 +1,245 @@
+"""ModelSpec: everything the generic decoder needs to know, read from a checkpoint's config.json.
+
+One frozen description covers Llama, Qwen2, Qwen3, Mistral and Gemma 3 (text). The attention
+part (heads, per-layer window, KV source) is ``attention_variants.layout.AttentionLayout``; the
+rest are the family differences the decoder switches on (biases, q/k norms, Gemma's norm offset,
+embedding scale, sandwich norms, per-layer rope, logit softcaps) and the declared weight
+quantization (``QuantSpec``).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from attention_variants.layout import FULL, SLIDING, AttentionLayout
+from compress.architecture import model_type_of
+from compress.errors import CheckpointError, KvslimError
+from compress.schemes import QuantScheme, scheme_from_config_group
+from runtime.attention_backend import AttentionParams
+
+# Activations the MLP supports (HF names).
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# Rope types whose frequencies do not depend on the sequence length (transformers' names).
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """One rotary embedding: type, base and the type's extra parameters (``rope_parameters``)."""
+
+    rope_type: str
+    theta: float
+    params: tuple[tuple[str, Any], ...] = ()
+
+    def as_dict(self) -> dict:
+        out = {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.params}
+        out.update(rope_type=self.rope_type, rope_theta=self.theta)
+        return out
+
+
+@dataclass(frozen=True)
+class QuantGroup:
+    """One ``config_groups`` entry: which Linears it targets and how their weights are stored."""
+
+    targets: tuple[str, ...]
+    scheme: QuantScheme
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """The checkpoint's declared compressed-tensors quantization (``quantization_config``)."""
+
+    format: str
+    groups: tuple[QuantGroup, ...]
+    ignore: tuple[str, ...]
+    kv_cache_scheme: tuple[tuple[str, Any], ...] | None = None
+
+    @staticmethod
+    def _matches(pattern: str, name: str) -> bool:
+        if pattern.startswith("re:"):
+            return re.match(pattern[3:], name) is not None
+        return pattern == "Linear" or name == pattern or name.endswith("." + pattern)
+
+    def scheme_for(self, linear_name: str) -> QuantScheme | None:
+        """The scheme of the Linear ``linear_name`` (e.g. ``model.layers.0.mlp.up_proj``), or
+        ``None`` when it is ignored or not targeted (kept in floating point)."""
+        if any(self._matches(p, linear_name) for p in self.ignore):
+            return None
+        for group in self.groups:
+            if any(self._matches(t, linear_name) for t in group.targets):
+                return group.scheme
+        return None
+
+    @classmethod
+    def from_config(cls, qc: dict) -> "QuantSpec":
+        method = qc.get("quant_method")
+        if method != "compressed-tensors":
+            raise KvslimError(
+                f"quantization_config.quant_method={method!r} is not supported; kvslim serves "
+                "compressed-tensors checkpoints (compress quantize writes them)"
+            )
+        groups = []
+        for name, group in (qc.get("config_groups") or {}).items():
+            if group.get("output_activations"):
+                raise KvslimError(f"quantization group {name}: output activation quantization is not supported")
+            acts = group.get("input_activations")
+            if acts and not acts.get("dynamic", False):
+                raise KvslimError(f"quantization group {name}: static activation scales are not supported")
+            if acts and (acts.get("type"), acts.get("strategy")) != ("float", "token"):
+                raise KvslimError(f"quantization group {name}: only dynamic per-token FP8 activations are supported")
+            targets = tuple(group.get("targets") or ())
+            if not targets:
+                raise KvslimError(f"quantization group {name} has no targets")
+            groups.append(QuantGroup(targets, scheme_from_config_group(group)))
+        kv = qc.get("kv_cache_scheme")
+        return cls(
+            format=str(qc.get("format")),
+            groups=tuple(groups),
+            ignore=tuple(qc.get("ignore") or ()),
+            kv_cache_scheme=tuple(sorted(kv.items())) if kv else None,
+        )
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    attention: AttentionLayout
+    rms_norm_eps: float
+    hidden_act: str
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # q/k/v projections carry a bias (Qwen2; Llama/Qwen3 with attention_bias)
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # RMSNorm over head_dim on q and k before rotary (Qwen3, Gemma 3)
+    norm_offset: float  # Gemma: norms scale by (1 + weight)
+    embed_scale: float | None  # Gemma: embeddings times sqrt(hidden_size)
+    sandwich_norm: bool  # Gemma: post-attention and pre/post-feedforward norms
+    attn_scale: float
+    rope: tuple[RopeSpec, ...]  # one per layer
+    attn_logit_softcap: float | None
+    final_logit_softcap: float | None
+    quant: QuantSpec | None
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return self.attention.num_layers
+
+    @property
+    def num_heads(self) -> int:
+        return self.attention.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.attention.head_dim
+
+    def num_kv_heads(self, layer: int) -> int:
+        return self.attention.layers[layer].num_kv_heads
+
+    def attention_params(self, layer: int) -> AttentionParams:
+        la = self.attention.layers[layer]
+        return AttentionParams(self.attn_scale, la.window, la.kv_source, self.attn_logit_softcap)
+
+    @classmethod
+    def from_config(cls, config: dict) -> "ModelSpec":
+        """Read a config.json dict; raise ``KvslimError`` for anything the runtime cannot serve."""
+        model_type = model_type_of(config)
+        gemma = model_type == "gemma3_text"
+        config = _with_layer_types(config, model_type)
+        if config.get("use_bidirectional_attention"):
+            raise KvslimError("bidirectional attention (use_bidirectional_attention) is not supported")
+        try:
+            layout = AttentionLayout.from_config(config)
+            hidden = int(config["hidden_size"])
+            act = config.get("hidden_activation") if gemma else config.get("hidden_act", "silu")
+            if act not in ACTIVATIONS:
+                raise KvslimError(f"activation {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+            if layout.num_heads % layout.num_kv_heads:
+                raise KvslimError(
+                    f"num_attention_heads={layout.num_heads} is not a multiple of num_key_value_heads={layout.num_kv_heads}"
+                )
+            attention_bias = bool(config.get("attention_bias", False))
+            eos = config.get("eos_token_id")
+            eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
+            qc = config.get("quantization_config")
+            scale_base = float(config.get("query_pre_attn_scalar") or layout.head_dim) if gemma else float(layout.head_dim)
+            return cls(
+                model_type=model_type,
+                vocab_size=int(config["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(config["intermediate_size"]),
+                attention=layout,
+                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+                hidden_act=str(act),
+                max_position_embeddings=int(config.get("max_position_embeddings") or 2048),
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", gemma)),
+                qkv_bias=True if model_type == "qwen2" else attention_bias and model_type != "mistral",
+                o_bias=attention_bias and model_type in ("llama", "qwen3", "gemma3_text"),
+                mlp_bias=bool(config.get("mlp_bias", False)) and model_type == "llama",
+                qk_norm=model_type in ("qwen3", "gemma3_text"),
+                norm_offset=1.0 if gemma else 0.0,
+                embed_scale=hidden**0.5 if gemma else None,
+                sandwich_norm=gemma,
+                attn_scale=scale_base**-0.5,
+                rope=_rope_per_layer(config, model_type),
+                attn_logit_softcap=_opt_float(config.get("attn_logit_softcapping")) if gemma else None,
+                final_logit_softcap=_opt_float(config.get("final_logit_softcapping")) if gemma else None,
+                quant=QuantSpec.from_config(qc) if qc else None,
+                bos_token_id=config.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+            )
+        except (KeyError, TypeError) as e:
+            raise CheckpointError(f"config.json: missing or malformed key {e}") from None
+
+
+def _opt_float(v) -> float | None:
+    return None if v is None else float(v)
+
+
+def _with_layer_types(config: dict, model_type: str) -> dict:
+    """Gemma 3 configs may give only ``sliding_window_pattern``; spell out ``layer_types``."""
+    if model_type != "gemma3_text" or config.get("layer_types") is not None:
+        return config
+    pattern = int(config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6)
+    n = int(config["num_hidden_layers"])
+    types = [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
+    return {**config, "layer_types": types}
+
+
+def _rope_spec(params: dict, default_theta: float, where: str) -> RopeSpec:
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise KvslimError(f"{where}: rope type {rope_type!r} is not supported (supported: {', '.join(STATIC_ROPE_TYPES)})")
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise KvslimError(f"{where}: partial rotary embeddings are not supported")
+    theta = float(params.get("rope_theta", default_theta))
+    extra = tuple(
+        sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items() if k not in ("rope_type", "type", "rope_theta"))
+    )
+    return RopeSpec(rope_type, theta, extra)
+
+
+def _rope_per_layer(config: dict, model_type: str) -> tuple[RopeSpec, ...]:
+    """Rope per layer from ``rope_parameters`` (transformers >= 5) or ``rope_theta`` + ``rope_scaling``."""
+    n = int(config["num_hidden_layers"])
+    params = config.get("rope_parameters")
+    if model_type == "gemma3_text":
+        types = config["layer_types"]
+        if params is None or FULL not in params:
+            full = dict(config.get("rope_scaling") or {})
+            full.setdefault("rope_theta", config.get("rope_theta", 1_000_000.0))
+            local = {"rope_type": "default", "rope_theta": config.get("rope_local_base_freq", 10_000.0)}
+            params = {FULL: full, SLIDING: local}
+        by_type = {t: _rope_spec(params[t] or {}, 10_000.0, f"rope_parameters[{t}]") for t in set(types)}
+        return tuple(by_type[t] for t in types)
+    if params is None:
+        params = dict(config.get("rope_scaling") or {})
+        params.setdefault("rope_theta", config.get("rope_theta", 10_000.0))
+    spec = _rope_spec(params, 10_000.0, "rope_parameters")
+    return (spec,) * n
