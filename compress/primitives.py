@@ -23,6 +23,7 @@ Conventions (checked against ``compressed_tensors`` itself, see tests/compress/t
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -133,48 +134,52 @@ def dequantize(
 
 # --- int32 packing ----------------------------------------------------------------------------
 def pack_int32(values: torch.Tensor, num_bits: int, packed_dim: int = 1) -> torch.Tensor:
-    """Pack signed ``num_bits`` integers (int8 tensor, 2-D) into int32 words along ``packed_dim``.
+    """Pack signed 4- or 8-bit integers (2-D int8 tensor) into int32 words along ``packed_dim``.
 
     Each value is offset by ``2 ** (num_bits - 1)``; value ``i`` of a row lands in word
     ``i // (32 / num_bits)`` at bit ``(i % (32 / num_bits)) * num_bits`` (lowest first).
+    Implemented on bytes (little-endian words, as on every host torch ships for).
     """
     if values.dtype != torch.int8 or values.dim() != 2:
         raise ValueError("pack_int32 takes a 2-D int8 tensor")
-    if num_bits not in (1, 2, 4, 8):
-        raise ValueError(f"pack_int32 supports 1, 2, 4 or 8 bits, got {num_bits}")
-    v = values.to(torch.int32) + (1 << (num_bits - 1))
-    if packed_dim == 0:
-        v = v.t()
+    if num_bits not in (4, 8):
+        raise ValueError(f"pack_int32 supports 4 or 8 bits, got {num_bits}")
+    _check_little_endian()
+    v = values.t() if packed_dim == 0 else values
     rows, cols = v.shape
     per_word = 32 // num_bits
     words = math.ceil(cols / per_word)
-    v = torch.nn.functional.pad(v, (0, words * per_word - cols)).reshape(rows, words, per_word)
-    shifts = torch.arange(per_word, dtype=torch.int32) * num_bits
-    # Sum in int64 then wrap to int32: the top value may set the sign bit.
-    packed = (v.to(torch.int64) << shifts.to(torch.int64)).sum(dim=-1)
-    packed = torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
-    if packed_dim == 0:
-        packed = packed.t()
-    return packed.contiguous()
+    u = (v.to(torch.int16) + (1 << (num_bits - 1))).to(torch.uint8)
+    u = torch.nn.functional.pad(u, (0, words * per_word - cols))
+    if num_bits == 4:
+        pairs = u.reshape(rows, words * 4, 2)
+        u = pairs[..., 0] | (pairs[..., 1] << 4)
+    packed = u.contiguous().view(torch.int32).reshape(rows, words)
+    return (packed.t() if packed_dim == 0 else packed).contiguous()
 
 
 def unpack_int32(packed: torch.Tensor, num_bits: int, size: int, packed_dim: int = 1) -> torch.Tensor:
     """Inverse of ``pack_int32``: ``size`` signed values (int8) along ``packed_dim``."""
     if packed.dtype != torch.int32 or packed.dim() != 2:
         raise ValueError("unpack_int32 takes a 2-D int32 tensor")
-    if num_bits not in (1, 2, 4, 8):
-        raise ValueError(f"unpack_int32 supports 1, 2, 4 or 8 bits, got {num_bits}")
+    if num_bits not in (4, 8):
+        raise ValueError(f"unpack_int32 supports 4 or 8 bits, got {num_bits}")
+    _check_little_endian()
     p = packed.t() if packed_dim == 0 else packed
     rows, words = p.shape
     per_word = 32 // num_bits
     if words * per_word < size or (words - 1) * per_word >= size:
         raise ValueError(f"{words} packed words cannot hold exactly {size} {num_bits}-bit values")
-    shifts = torch.arange(per_word, dtype=torch.int32) * num_bits
-    mask = (1 << num_bits) - 1
-    v = (p.unsqueeze(-1) >> shifts) & mask  # arithmetic shift is fine: the mask drops sign bits
-    v = v.reshape(rows, words * per_word)[:, :size] - (1 << (num_bits - 1))
-    v = v.to(torch.int8)
+    u = p.contiguous().view(torch.uint8).reshape(rows, words * 4)
+    if num_bits == 4:
+        u = torch.stack((u & 0xF, u >> 4), dim=-1).reshape(rows, words * 8)
+    v = (u[:, :size].to(torch.int16) - (1 << (num_bits - 1))).to(torch.int8)
     return (v.t() if packed_dim == 0 else v).contiguous()
+
+
+def _check_little_endian() -> None:
+    if sys.byteorder != "little":
+        raise RuntimeError("int32 packing assumes a little-endian host")
 
 
 # --- one Linear's on-disk tensors -------------------------------------------------------------

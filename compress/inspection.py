@@ -1,0 +1,159 @@
+"""Describe a checkpoint without loading it: layout, scheme, bytes, KV per token, kernel fit."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from math import prod
+from pathlib import Path
+
+from attention_variants.layout import AttentionLayout
+from compress.architecture import model_type_of
+from compress.checkpoint import Checkpoint
+from compress.errors import KvslimError
+from compress.schemes import QuantScheme, scheme_from_config_group
+from compress.vllm_compat import KernelVerdict, kernel_verdicts
+
+# safetensors dtype name -> bytes per element
+DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+               "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+# Quantization side tensors: not parameters of the model.
+_AUX = ("weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "weight_global_scale",
+        "input_scale", "k_scale", "v_scale")
+
+
+@dataclass(frozen=True)
+class QuantizedLinear:
+    name: str  # module name
+    in_features: int
+    out_features: int
+    verdicts: tuple[KernelVerdict, ...]
+
+
+@dataclass(frozen=True)
+class Inspection:
+    path: Path
+    architecture: str
+    model_type: str
+    layout: AttentionLayout
+    tied_embeddings: bool
+    scheme: QuantScheme | None
+    quant_format: str | None
+    ignore: tuple[str, ...]
+    bytes_by_dtype: dict[str, int]
+    num_params: int
+    linears: tuple[QuantizedLinear, ...]
+    max_context: int
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_by_dtype.values())
+
+    def kv_bytes_per_token(self, context: int, dtype_bytes: float, scale_bytes: float = 0.0) -> float:
+        return self.layout.kv_bytes_per_token(context, dtype_bytes, scale_bytes)
+
+
+def _scheme_of(config: dict) -> tuple[QuantScheme | None, str | None, tuple[str, ...]]:
+    qc = config.get("quantization_config")
+    if qc is None:
+        return None, None, ()
+    if qc.get("quant_method") != "compressed-tensors":
+        raise KvslimError(f"quantization method {qc.get('quant_method')!r} is not compressed-tensors")
+    groups = qc.get("config_groups") or {}
+    if len(groups) != 1:
+        raise KvslimError(f"expected one quantization config group, found {len(groups)}")
+    group = next(iter(groups.values()))
+    return scheme_from_config_group(group), group.get("format") or qc.get("format"), tuple(qc.get("ignore") or ())
+
+
+def inspect_checkpoint(path: str | Path) -> Inspection:
+    """Read config and safetensors headers (plus the tiny ``weight_shape`` tensors)."""
+    ckpt = Checkpoint.open(path)
+    config = ckpt.config
+    model_type = model_type_of(config)
+    layout = AttentionLayout.from_config(config)
+    scheme, fmt, ignore = _scheme_of(config)
+    by_dtype: Counter[str] = Counter()
+    params = 0
+    linears: list[QuantizedLinear] = []
+    for name, (dtype, shape) in ckpt.headers.items():
+        by_dtype[dtype] += prod(shape) * DTYPE_BYTES.get(dtype, 0)
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in _AUX:
+            continue
+        module = name.rsplit(".", 1)[0]
+        if leaf == "weight_packed":
+            out_f, in_f = (int(v) for v in ckpt.get(f"{module}.weight_shape").tolist())
+        else:
+            out_f, in_f = (shape[0], shape[1]) if len(shape) == 2 else (0, 0)
+        params += out_f * in_f if leaf == "weight_packed" else prod(shape)
+        if scheme is not None and ckpt.has(f"{module}.weight_scale") and leaf in ("weight", "weight_packed"):
+            linears.append(QuantizedLinear(module, in_f, out_f, kernel_verdicts(scheme, in_f, out_f)))
+    arch = ",".join(config.get("architectures") or [model_type])
+    max_ctx = int(config.get("max_position_embeddings") or 4096)
+    return Inspection(
+        Path(path), arch, model_type, layout, bool(config.get("tie_word_embeddings", False)), scheme, fmt,
+        ignore, dict(by_dtype), params, tuple(sorted(linears, key=lambda l: _sort_key(l.name))), max_ctx,
+    )
+
+
+def _sort_key(name: str) -> tuple:
+    parts = name.split(".")
+    return tuple((0, int(p)) if p.isdigit() else (1, p) for p in parts)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def format_inspection(ins: Inspection, per_layer: bool = False) -> str:
+    """The human-readable report ``compress inspect`` prints."""
+    lay = ins.layout
+    lines = [f"checkpoint: {ins.path}", f"architecture: {ins.architecture} (model_type {ins.model_type})"]
+    lines.append(
+        f"attention: {lay.num_layers} layers, {lay.num_heads} heads x {lay.head_dim}, "
+        f"{lay.num_kv_heads} KV heads (GQA {lay.num_heads // max(lay.num_kv_heads, 1)}:1)"
+    )
+    sliding = lay.sliding_layers()
+    if sliding:
+        windows = sorted({lay.layers[i].window for i in sliding})
+        lines.append(f"  sliding window {', '.join(map(str, windows))} on {len(sliding)} layers "
+                     f"{sliding}; full attention on {lay.num_layers - len(sliding)}")
+    else:
+        lines.append("  full attention on every layer")
+    owners = lay.cache_owners()
+    if len(owners) < lay.num_layers:
+        shared = {i: l.kv_source for i, l in enumerate(lay.layers) if l.kv_source != i}
+        lines.append(f"  KV sharing: {len(owners)} layers own a cache; readers -> owner {shared}")
+    else:
+        lines.append("  KV sharing: none (every layer owns its cache)")
+    if ins.scheme is None:
+        lines.append("quantization: none (dense weights)")
+    else:
+        lines.append(f"quantization: {ins.scheme.describe()}; format {ins.quant_format}; ignore {list(ins.ignore)}")
+    dtypes = ", ".join(f"{d} {_mib(b)}" for d, b in sorted(ins.bytes_by_dtype.items(), key=lambda kv: -kv[1]))
+    lines.append(f"weights: {_mib(ins.total_bytes)} ({dtypes}); {ins.num_params:,} parameters "
+                 f"({ins.num_params * 2 / 2**20:,.2f} MiB in bf16){'; tied embeddings' if ins.tied_embeddings else ''}")
+    contexts = sorted({c for c in (2048, ins.max_context) if c > 0})
+    for ctx in contexts:
+        bf16 = ins.kv_bytes_per_token(ctx, 2)
+        fp8 = ins.kv_bytes_per_token(ctx, 1)
+        fp8s = ins.kv_bytes_per_token(ctx, 1, 4)
+        lines.append(f"KV cache per token at context {ctx}: bf16 {bf16 / 1024:,.2f} KiB, fp8 {fp8 / 1024:,.2f} KiB "
+                     f"(+ fp32 per-token-head scales: {fp8s / 1024:,.2f} KiB)")
+    if ins.linears:
+        lines.append(f"vLLM kernels ({len(ins.linears)} quantized Linears):")
+        if per_layer:
+            for l in ins.linears:
+                lines.append(f"  {l.name} [{l.in_features}->{l.out_features}]: "
+                             + "; ".join(v.describe() for v in l.verdicts))
+        else:
+            groups: dict[tuple, list[str]] = {}
+            for l in ins.linears:
+                key = (l.name.rsplit(".", 1)[-1], l.in_features, l.out_features, l.verdicts)
+                groups.setdefault(key, []).append(l.name)
+            for (short, i, o, verdicts), names in groups.items():
+                lines.append(f"  {short} [{i}->{o}] x{len(names)}: " + "; ".join(v.describe() for v in verdicts))
+        for kernel in sorted({v.kernel for l in ins.linears for v in l.verdicts}):
+            ok = sum(1 for l in ins.linears for v in l.verdicts if v.kernel == kernel and v.ok)
+            lines.append(f"  {kernel} accepts {ok}/{len(ins.linears)} layers")
+    return "\n".join(lines)

@@ -1,0 +1,175 @@
+"""The streaming quantization driver: checkpoint dir -> compressed-tensors checkpoint dir.
+
+Tensors are read one at a time from the source (``Checkpoint.get``) and written as they are
+produced (``ShardWriter``), so peak memory is about one Linear plus one output shard. Targeted
+Linears (attention and MLP projections, and an untied ``lm_head`` unless ignored) are quantized
+by a ``WeightQuantizer``; every other tensor (embeddings, norms, biases) is copied unchanged, in
+its source dtype, so the only difference from the source is the quantization itself.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from compress.algorithms import WeightQuantizer
+from compress.algorithms.rtn import RTN
+from compress.architecture import model_type_of
+from compress.atomic import atomic_output_dir, check_output_dir
+from compress.checkpoint import Checkpoint, ShardWriter, write_config
+from compress.errors import KvslimError
+from compress.primitives import dequantize_linear
+from compress.schemes import QuantScheme
+from compress.summary import TensorStat, tensor_kind
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_IGNORE = ("lm_head",)
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class QuantizeResult:
+    out: Path
+    scheme: QuantScheme
+    algorithm: str
+    ignore: tuple[str, ...]
+    stats: tuple[TensorStat, ...]
+    seconds: float
+
+
+def quantization_config(scheme: QuantScheme, ignore: tuple[str, ...]) -> dict:
+    """``config.json["quantization_config"]`` exactly as compressed-tensors'
+    ``ModelCompressor.update_config`` writes it after llm-compressor compressed a model."""
+    return {
+        "config_groups": {"group_0": scheme.to_config_group()},
+        "format": scheme.format,
+        "global_compression_ratio": None,
+        "ignore": list(ignore),
+        "kv_cache_scheme": None,
+        "moe_sparsity_config": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+        "sparsity_config": {},
+        "transform_config": {},
+        "version": version("compressed-tensors"),
+    }
+
+
+def _module_of(name: str) -> str:
+    return name.rsplit(".", 1)[0]
+
+
+def _ignored(module: str, ignore: tuple[str, ...]) -> bool:
+    """compressed-tensors' ``match_name``: an exact module name or a ``re:`` regex (re.match)."""
+    return any(
+        re.match(p.removeprefix("re:"), module) is not None if p.startswith("re:") else module == p
+        for p in ignore
+    )
+
+
+def plan_linears(ckpt: Checkpoint, scheme: QuantScheme, ignore: tuple[str, ...]) -> list[str]:
+    """Weight names of the Linears to quantize; raises before anything is written."""
+    tied = bool(ckpt.config.get("tie_word_embeddings", False))
+    linears = [
+        n for n in ckpt.names()
+        if n.endswith(".weight") and len(ckpt.shape(n)) == 2
+        and (_module_of(n).rsplit(".", 1)[-1] in PROJECTIONS or _module_of(n) == "lm_head")
+    ]
+    if not any(_module_of(n).rsplit(".", 1)[-1] in PROJECTIONS for n in linears):
+        raise KvslimError(f"{ckpt.path}: no attention/MLP projection weights (*_proj.weight) found")
+    if tied and not _ignored("lm_head", ignore):
+        raise KvslimError("lm_head is tied to the input embeddings and cannot be quantized; keep it in --ignore")
+    modules = [_module_of(n) for n in linears]
+    for pattern in ignore:
+        if pattern != "lm_head" and not any(_ignored(m, (pattern,)) for m in modules):
+            raise KvslimError(f"--ignore {pattern} matches no Linear module of the checkpoint")
+    chosen = [n for n in linears if not _ignored(_module_of(n), ignore)]
+    for n in chosen:
+        scheme.check_input_features(ckpt.shape(n)[1], _module_of(n))
+    return chosen
+
+
+def _layer_of(name: str) -> int | None:
+    m = _LAYER.search("." + name)
+    return int(m.group(1)) if m else None
+
+
+def _ordered(names: list[str]) -> list[tuple[int | None, list[str]]]:
+    """Group tensor names by decoder layer, in layer order; non-layer tensors last."""
+    groups: dict[int | None, list[str]] = {}
+    for n in names:
+        groups.setdefault(_layer_of(n), []).append(n)
+    layers = sorted(k for k in groups if k is not None)
+    return [(k, groups[k]) for k in layers] + ([(None, groups[None])] if None in groups else [])
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@torch.no_grad()
+def quantize_checkpoint(
+    source: str | Path,
+    out: str | Path,
+    scheme: QuantScheme,
+    ignore: tuple[str, ...] = DEFAULT_IGNORE,
+    quantizer: WeightQuantizer | None = None,
+    force: bool = False,
+    progress: bool = True,
+) -> QuantizeResult:
+    """Quantize ``source`` (an HF checkpoint directory) into ``out`` (written atomically)."""
+    quantizer = quantizer or RTN()
+    start = time.perf_counter()
+    out = Path(out)
+    check_output_dir(out.expanduser().resolve(), force)
+    ckpt = Checkpoint.open(source)
+    model_type_of(ckpt.config)
+    if ckpt.quantization_config is not None:
+        method = ckpt.quantization_config.get("quant_method", "?")
+        raise KvslimError(f"{ckpt.path} is already quantized ({method}); quantize an unquantized checkpoint")
+    ignore = tuple(dict.fromkeys(ignore))
+    targets = set(plan_linears(ckpt, scheme, ignore))
+    stats: list[TensorStat] = []
+    with atomic_output_dir(out, force=force) as tmp:
+        writer = ShardWriter(tmp)
+        groups = _ordered(ckpt.names())
+        bar = tqdm(groups, desc=f"quantize {scheme.name}", unit="layer", disable=not progress)
+        for layer, names in bar:
+            bar.set_postfix_str("other" if layer is None else f"layer {layer}")
+            for name in names:
+                tensor = ckpt.get(name)
+                if name in targets:
+                    stats.append(_quantize_one(name, tensor, scheme, quantizer, writer))
+                else:
+                    writer.add(name, tensor)
+                    nb = _nbytes(tensor)
+                    stats.append(TensorStat(name, tensor_kind(name), str(tensor.dtype).removeprefix("torch."),
+                                            tensor.numel(), nb, nb, False, 0.0, 0.0, 0.0))
+        writer.close()
+        config = dict(ckpt.config)
+        config["quantization_config"] = quantization_config(scheme, ignore)
+        write_config(tmp, config)
+        ckpt.copy_side_files(tmp)
+    return QuantizeResult(out.expanduser().resolve(), scheme, quantizer.name, ignore, tuple(stats),
+                          time.perf_counter() - start)
+
+
+def _quantize_one(
+    name: str, weight: torch.Tensor, scheme: QuantScheme, quantizer: WeightQuantizer, writer: ShardWriter
+) -> TensorStat:
+    module = _module_of(name)
+    tensors = quantizer.quantize(module, weight, scheme)
+    after = 0
+    for key, t in tensors.items():
+        writer.add(f"{module}.{key}", t)
+        after += _nbytes(t)
+    diff = dequantize_linear(tensors, scheme).float() - weight.float()
+    abs_err = diff.abs()
+    rel = float(diff.norm() / weight.float().norm().clamp_min(1e-30))
+    return TensorStat(name, tensor_kind(name), str(weight.dtype).removeprefix("torch."), weight.numel(),
+                      _nbytes(weight), after, True, float(abs_err.mean()), float(abs_err.max()), rel)
