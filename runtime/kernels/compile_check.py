@@ -1,0 +1,187 @@
+"""Compile every Triton kernel for a Hopper (sm_90) target on a machine without a GPU.
+
+Triton lowers to PTX and runs its bundled ``ptxas`` on the CPU, so a kernel that only ever ran
+in the interpreter (which accepts things the compiler rejects) fails here. Run as
+``python -m runtime.kernels.compile_check [--json OUT] [--quick]``; needs ``TRITON_INTERPRET``
+unset (the interpreter replaces kernels with Python functions that cannot be compiled).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+from compress.errors import KvslimError
+
+SM90 = ("cuda", 90, 32)  # backend, compute capability, warp size
+
+# Scalar arguments that are floats; every other non-pointer, non-constexpr argument is i32.
+FLOAT_ARGS = {"sm_scale", "softcap"}
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """One specialisation of a kernel: pointer dtypes (Triton names) and constexpr values."""
+
+    name: str
+    kernel: str  # attribute name of the @triton.jit function in its module
+    module: str
+    pointers: dict = field(default_factory=dict)
+    constexprs: dict = field(default_factory=dict)
+    quick: bool = False  # part of the CI subset
+
+
+def _int_variants() -> list[KernelVariant]:
+    out = []
+    decode = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)
+    prefill = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)
+    for bits in (4, 8):
+        for has_zp in (False, True):
+            for g_idx in (False, True):
+                quick = (bits, has_zp, g_idx) in ((4, False, False), (4, True, True), (8, False, False))
+                out.append(KernelVariant(
+                    f"int{bits} {'asym' if has_zp else 'sym'}{' g_idx' if g_idx else ''} bf16 decode",
+                    "int_weight_matmul_kernel", "runtime.kernels.dequant_matmul",
+                    {"x_ptr": "*bf16", "packed_ptr": "*i32", "scale_ptr": "*bf16", "zp_ptr": "*i32",
+                     "g_idx_ptr": "*i32", "out_ptr": "*fp32"},
+                    dict(BITS=bits, HAS_ZP=has_zp, HAS_G_IDX=g_idx, TILE_IN_GROUP=not g_idx, **decode), quick))
+    out.append(KernelVariant("int4 sym per-weight scales bf16 decode", "int_weight_matmul_kernel", "runtime.kernels.dequant_matmul",
+                             {"x_ptr": "*bf16", "packed_ptr": "*i32", "scale_ptr": "*bf16", "zp_ptr": "*i32",
+                              "g_idx_ptr": "*i32", "out_ptr": "*fp32"},
+                             dict(BITS=4, HAS_ZP=False, HAS_G_IDX=False, TILE_IN_GROUP=False, **decode)))
+    out.append(KernelVariant("int4 sym fp16 prefill", "int_weight_matmul_kernel", "runtime.kernels.dequant_matmul",
+                             {"x_ptr": "*fp16", "packed_ptr": "*i32", "scale_ptr": "*fp16", "zp_ptr": "*i32",
+                              "g_idx_ptr": "*i32", "out_ptr": "*fp16"},
+                             dict(BITS=4, HAS_ZP=False, HAS_G_IDX=False, TILE_IN_GROUP=True, **prefill), True))
+    out.append(KernelVariant("int8 sym bf16 prefill", "int_weight_matmul_kernel", "runtime.kernels.dequant_matmul",
+                             {"x_ptr": "*bf16", "packed_ptr": "*i32", "scale_ptr": "*fp32", "zp_ptr": "*i32",
+                              "g_idx_ptr": "*i32", "out_ptr": "*bf16"},
+                             dict(BITS=8, HAS_ZP=False, HAS_G_IDX=False, TILE_IN_GROUP=True, **prefill)))
+    return out
+
+
+def _fp8_variants() -> list[KernelVariant]:
+    mod, k = "runtime.kernels.dequant_matmul", "fp8_weight_matmul_kernel"
+    return [
+        KernelVariant("fp8 weight bf16 decode", k, mod,
+                      {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "out_ptr": "*fp32"},
+                      dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128), True),
+        KernelVariant("fp8 weight fp16 prefill", k, mod,
+                      {"x_ptr": "*fp16", "w_ptr": "*fp8e4nv", "scale_ptr": "*bf16", "out_ptr": "*fp16"},
+                      dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)),
+    ]
+
+
+def _attention_variants() -> list[KernelVariant]:
+    mod, k = "runtime.kernels.paged_attention", "paged_attention_kernel"
+    out = []
+    cases = [  # (name, q, cache, quant, per_token, D, QPK, decode, splits, window, softcap, quick)
+        ("bf16 kv decode d64 gqa3", "bf16", "bf16", False, False, 64, 3, True, 1, False, False, True),
+        ("bf16 kv decode split d128 gqa4", "bf16", "bf16", False, False, 128, 4, True, 8, False, False, False),
+        ("fp8 kv/token decode split d64", "bf16", "fp8e4nv", True, True, 64, 3, True, 4, False, False, True),
+        ("int8 kv/token prefill window d64", "bf16", "i8", True, True, 64, 3, False, 1, True, False, True),
+        ("fp8 kv/scalar prefill softcap d256 mqa", "fp16", "fp8e4nv", True, False, 256, 8, False, 1, True, True, False),
+        ("fp16 kv prefill d128 mha", "fp16", "fp16", False, False, 128, 1, False, 1, False, False, False),
+    ]
+    for name, qd, cd, quant, per_token, d, qpk, decode, splits, window, softcap, quick in cases:
+        block_m = max(16, 1 << (qpk - 1).bit_length()) if decode else max(64, 1 << (qpk - 1).bit_length())
+        ptrs = {"q_ptr": f"*{qd}", "k_cache_ptr": f"*{cd}", "v_cache_ptr": f"*{cd}",
+                "k_scale_ptr": "*fp32" if quant else f"*{cd}", "v_scale_ptr": "*fp32" if quant else f"*{cd}",
+                "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "query_start_ptr": "*i32",
+                "out_ptr": "*fp32" if splits > 1 else f"*{qd}", "lse_ptr": "*fp32" if splits > 1 else f"*{qd}"}
+        consts = dict(QPK=qpk, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=block_m, BLOCK_Q=block_m // qpk,
+                      BLOCK_N=32 if d <= 128 else 16, NUM_SPLITS=splits, KV_QUANT=quant,
+                      SCALE_PER_TOKEN=per_token, USE_WINDOW=window, USE_SOFTCAP=softcap)
+        out.append(KernelVariant(name, k, mod, ptrs, consts, quick))
+    return out
+
+
+def _store_variants() -> list[KernelVariant]:
+    mod, k = "runtime.kernels.kv_store", "store_kv_kernel"
+    out = []
+    for name, x, cache, quant, per_token, is_int8, qmax, quick in (
+        ("store bf16", "bf16", "bf16", False, False, False, 1.0, True),
+        ("store fp8/token", "bf16", "fp8e4nv", True, True, False, 448.0, True),
+        ("store int8/token", "fp16", "i8", True, True, True, 127.0, True),
+        ("store fp8/scalar", "bf16", "fp8e4nv", True, False, False, 448.0, False),
+    ):
+        scale = "*fp32" if quant else f"*{cache}"
+        out.append(KernelVariant(name, k, mod,
+                                 {"k_ptr": f"*{x}", "v_ptr": f"*{x}", "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}",
+                                  "k_scale_ptr": scale, "v_scale_ptr": scale, "slot_ptr": "*i64"},
+                                 dict(QUANT=quant, SCALE_PER_TOKEN=per_token, IS_INT8=is_int8, QMAX_=qmax, MIN_SCALE_=1e-8,
+                                      BLOCK_H=8, BLOCK_D=128), quick))
+    return out
+
+
+def variants() -> list[KernelVariant]:
+    """Every kernel specialisation the wrappers launch, by family."""
+    return _int_variants() + _fp8_variants() + _attention_variants() + _store_variants()
+
+
+def kernel_names() -> dict[str, set[str]]:
+    """{module: names of its top-level launched kernels} that the variants cover."""
+    names: dict[str, set[str]] = {}
+    for v in variants():
+        names.setdefault(v.module, set()).add(v.kernel)
+    return names
+
+
+def compile_variant(variant: KernelVariant) -> dict:
+    """Compile one variant for sm_90; return sizes and a few facts from the PTX."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(variant.module), variant.kernel)
+    if not isinstance(fn, triton.runtime.jit.JITFunction):
+        raise KvslimError(f"{variant.kernel} is not a compilable JITFunction (is TRITON_INTERPRET set?)")
+    signature = {}
+    for arg in fn.arg_names:
+        if arg in variant.constexprs:
+            signature[arg] = "constexpr"
+        elif arg.endswith("_ptr"):
+            signature[arg] = variant.pointers[arg]
+        else:
+            signature[arg] = "fp32" if arg in FLOAT_ARGS else "i32"
+    start = time.perf_counter()
+    compiled = triton.compile(ASTSource(fn, signature, variant.constexprs), target=GPUTarget(*SM90))
+    ptx = compiled.asm["ptx"]
+    return {
+        "name": variant.name,
+        "kernel": variant.kernel,
+        "cubin_bytes": len(compiled.asm["cubin"]),
+        "ptx_target": next((l.split()[1] for l in ptx.splitlines() if l.startswith(".target")), ""),
+        "tensor_core": "mma" in ptx,
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--quick", action="store_true", help="only the CI subset")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("compile_check: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)", file=sys.stderr)
+        return 2
+    results = []
+    for v in variants():
+        if args.quick and not v.quick:
+            continue
+        r = compile_variant(v)
+        results.append(r)
+        print(f"{r['name']:<42} {r['kernel']:<26} {r['ptx_target']:<8} cubin {r['cubin_bytes']:>7} B  mma={r['tensor_core']}  {r['seconds']:.1f}s", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,117 @@
+"""Route each op by device and declared scheme: CUDA tensors to the Triton kernels (or
+``torch._scaled_mm`` for FP8 W8A8), CPU tensors to the plain-torch reference paths.
+
+The engine calls these three functions; which implementation runs is decided here only.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from compress.errors import KvslimError
+from runtime.kernels import dequant_matmul as dm
+from runtime.kernels import kv_store as kvs
+from runtime.kernels import paged_attention as pa
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    """A linear layer's declared weight scheme (one compressed-tensors config group).
+
+    ``kind="int"``: ``pack-quantized`` INT4/INT8 weight-only (tensors ``weight_packed``,
+    ``weight_scale``, optional ``weight_zero_point`` / ``weight_g_idx``). ``kind="float"``: FP8
+    per-channel (``weight``, ``weight_scale``), with ``fp8_activations`` for W8A8 dynamic.
+    """
+
+    kind: Literal["int", "float"]
+    num_bits: int
+    symmetric: bool = True
+    fp8_activations: bool = False
+
+    @classmethod
+    def from_config_group(cls, group: Mapping) -> "WeightScheme":
+        """From a ``quantization_config.config_groups`` entry."""
+        w = group.get("weights") or {}
+        acts = group.get("input_activations") or None
+        kind, bits = w.get("type"), int(w.get("num_bits", 0))
+        if kind == "int" and bits in (4, 8) and acts is None:
+            return cls("int", bits, bool(w.get("symmetric", True)))
+        if kind == "float" and bits == 8 and w.get("strategy") in ("channel", "tensor"):
+            fp8_acts = acts is not None and acts.get("type") == "float" and bool(acts.get("dynamic"))
+            if acts is not None and not fp8_acts:
+                raise KvslimError(f"FP8 weights with activations {dict(acts)} have no kernel (only dynamic FP8 per-token)")
+            return cls("float", 8, True, fp8_acts)
+        raise KvslimError(f"no kernel for weight scheme {dict(w)} with activations {acts}")
+
+
+def _on_cuda(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda"
+
+
+def _tensor(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in tensors:
+        raise KvslimError(f"quantized linear is missing tensor {name!r} (has {sorted(tensors)})")
+    return tensors[name]
+
+
+def quantized_linear(
+    x: torch.Tensor,
+    scheme: WeightScheme,
+    tensors: Mapping[str, torch.Tensor],
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x [..., K] -> [..., N]`` through a compressed-tensors weight (tensor names as on disk,
+    without the module prefix)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if scheme.kind == "int":
+        zp = tensors.get("weight_zero_point")
+        if scheme.symmetric == (zp is not None):
+            raise KvslimError(f"scheme symmetric={scheme.symmetric} but weight_zero_point is {'present' if zp is not None else 'absent'}")
+        args = (_tensor(tensors, "weight_packed"), _tensor(tensors, "weight_scale"), scheme.num_bits, zp, tensors.get("weight_g_idx"))
+        fn = dm.int_weight_matmul if _on_cuda(x2) else dm.reference_int_weight_matmul
+        y = fn(x2, *args)
+    else:
+        w, s = _tensor(tensors, "weight"), _tensor(tensors, "weight_scale")
+        if scheme.fp8_activations:
+            hopper = _on_cuda(x2) and torch.cuda.get_device_capability(x2.device) >= (8, 9)
+            y = dm.fp8_w8a8_matmul(x2, w, s) if hopper else dm.reference_fp8_w8a8_matmul(x2, w, s)
+        else:
+            y = dm.fp8_weight_matmul(x2, w, s) if _on_cuda(x2) else dm.reference_fp8_weight_matmul(x2, w, s)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Write new K/V into a paged cache group, quantizing on write (see ``kv_store``)."""
+    fn = kvs.store_kv if _on_cuda(k_cache) else kvs.reference_store_kv
+    fn(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of the step's tokens over their paged context (see ``paged_attention``)."""
+    fn = pa.paged_attention if _on_cuda(q) else pa.reference_paged_attention
+    return fn(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, window, softcap, k_scale, v_scale)

@@ -1,0 +1,252 @@
+"""Paged attention over a (possibly FP8/INT8) KV cache: decode, prefill and extend in one kernel.
+
+Shapes (one cache group; layers that share KV simply pass the owner's cache tensors):
+- ``q`` ``[T, H, D]``: the step's new tokens, flattened over sequences (``attention_backend``).
+- ``k_cache``, ``v_cache`` ``[num_blocks, block_size, KVH, D]`` bf16/fp16/fp32/float8_e4m3fn/int8;
+  quantized caches carry ``k_scale``/``v_scale`` ``[num_blocks, block_size, KVH]`` fp32 or a
+  one-element fp32 tensor (see ``kv_store``). The step's new K/V must already be stored.
+- ``block_tables`` int32 ``[S, max_blocks]``, ``context_lens`` int32 ``[S]`` (tokens cached per
+  sequence, new ones included), ``query_start_loc`` int32 ``[S + 1]`` (sequence s owns q rows
+  ``query_start_loc[s]:query_start_loc[s+1]``, its last ``q_len`` positions).
+- Returns ``[T, H, D]`` in q's dtype.
+
+Query at position p attends cached positions j with ``j <= p`` and, with a window W,
+``p - W < j``. GQA/MQA: q head h reads KV head ``h // (H / KVH)``; a program handles all the q
+heads of one KV head so each K/V tile is read once. Long decodes split the context across
+programs (flash-decoding) and merge the partial softmaxes.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from compress.errors import KvslimError
+from runtime.attention_backend import reference_attention
+from runtime.kernels.kv_store import check_kv_cache, check_kv_scales, reference_dequantize_kv
+
+LOG2E = 1.4426950408889634
+SPLIT_MIN_TOKENS = 256  # a decode split covers at least this many cached tokens
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+    block_tables_ptr, context_lens_ptr, query_start_ptr, out_ptr, lse_ptr,
+    sm_scale, softcap, window, block_size,
+    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_bt,
+    stride_ot, stride_oh, stride_osplit, stride_lt, stride_lsplit,
+    QPK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    KV_QUANT: tl.constexpr, SCALE_PER_TOKEN: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+):
+    """Grid ``(S, cdiv(max_q_len, BLOCK_Q), KVH * NUM_SPLITS)``. Rows of the ``[BLOCK_M, D]``
+    query tile are (token, head-in-group) pairs: row r = token ``r // QPK``, head ``r % QPK``."""
+    seq = tl.program_id(0)
+    q_block = tl.program_id(1)
+    kvh = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:
+        return
+    ctx = tl.load(context_lens_ptr + seq)
+    first_pos = ctx - q_len  # position of the sequence's first new token
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_block * BLOCK_Q + rows // QPK
+    head = kvh * QPK + rows % QPK
+    row_ok = (rows // QPK < BLOCK_Q) & (tok < q_len)
+    q_pos = first_pos + tok
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # Keys this tile of queries can see, then this program's share of them.
+    hi = tl.minimum(ctx, first_pos + (q_block + 1) * BLOCK_Q)
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(first_pos + q_block * BLOCK_Q - window + 1, 0)
+    per_split = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_lo = lo + split * per_split
+    split_hi = tl.minimum(hi, split_lo + per_split)
+
+    if KV_QUANT:
+        if not SCALE_PER_TOKEN:
+            k_scalar = tl.load(k_scale_ptr)
+            v_scalar = tl.load(v_scale_ptr)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for j0 in range(split_lo, split_hi, BLOCK_N):
+        offs_j = j0 + tl.arange(0, BLOCK_N)
+        j_ok = offs_j < split_hi
+        blk = tl.load(block_tables_ptr + seq * stride_bt + offs_j // block_size, mask=j_ok, other=0).to(tl.int64)
+        slot_off = blk * stride_cb + (offs_j % block_size) * stride_cs + kvh * stride_ch
+        kv_mask = j_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_QUANT:
+            if SCALE_PER_TOKEN:
+                s_off = blk * stride_sb + (offs_j % block_size) * stride_ss + kvh
+                k = k.to(tl.float32) * tl.load(k_scale_ptr + s_off, mask=j_ok, other=0.0)[:, None]
+                v = v.to(tl.float32) * tl.load(v_scale_ptr + s_off, mask=j_ok, other=0.0)[:, None]
+            else:
+                k = k.to(tl.float32) * k_scalar
+                v = v.to(tl.float32) * v_scalar
+        s = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale
+        if USE_SOFTCAP:
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))  # softcap * tanh(s / softcap)
+        allowed = row_ok[:, None] & j_ok[None, :] & (offs_j[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            allowed = allowed & (q_pos[:, None] - offs_j[None, :] < window)
+        s = tl.where(allowed, s * 1.4426950408889634, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o_ptrs = out_ptr + split * stride_osplit + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if NUM_SPLITS > 1:
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + split * stride_lsplit + (q_start + tok) * stride_lt + head, lse, mask=row_ok)
+
+
+# --------------------------------------------------------------------------- checks
+def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, k_scale, v_scale) -> bool:
+    check_kv_cache(k_cache, v_cache)
+    per_token = check_kv_scales(k_cache, k_scale, v_scale)
+    if q.dim() != 3 or q.shape[2] != k_cache.shape[3]:
+        raise KvslimError(f"q must be [tokens, heads, {k_cache.shape[3]}], got {tuple(q.shape)}")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise KvslimError(f"q dtype {q.dtype} is not bf16/fp16/fp32")
+    if q.shape[1] % k_cache.shape[2]:
+        raise KvslimError(f"{q.shape[1]} query heads are not a multiple of {k_cache.shape[2]} KV heads")
+    S = context_lens.shape[0]
+    for name, t, shape in (("block_tables", block_tables, (S, block_tables.shape[-1])),
+                           ("context_lens", context_lens, (S,)), ("query_start_loc", query_start_loc, (S + 1,))):
+        if t.dtype != torch.int32 or tuple(t.shape) != shape or t.device != q.device:
+            raise KvslimError(f"{name} must be int32 {list(shape)} on {q.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    return per_token
+
+
+def _num_splits(num_programs: int, max_q_len: int, max_context_len: int, device: torch.device) -> int:
+    if max_q_len != 1 or device.type != "cuda":
+        return 1
+    target = torch.cuda.get_device_properties(device).multi_processor_count * 2
+    by_work = max(1, max_context_len // SPLIT_MIN_TOKENS)
+    return int(min(max(1, target // max(num_programs, 1)), by_work, 32))
+
+
+# --------------------------------------------------------------------------- wrapper
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+    max_context_len: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of the step's tokens over their paged context (see module docstring).
+    ``max_query_len``/``max_context_len`` avoid a device sync when the caller knows them."""
+    per_token = _check_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, k_scale, v_scale)
+    T, H, D = q.shape
+    S = context_lens.shape[0]
+    kvh = k_cache.shape[2]
+    qpk = H // kvh
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item()) if S else 0
+    if T == 0 or S == 0:
+        return torch.empty_like(q)
+    if max_context_len is None:
+        max_context_len = int(context_lens.max().item())
+    block_m = max(16, triton.next_power_of_2(qpk)) if max_query_len == 1 else max(64, triton.next_power_of_2(qpk))
+    block_q = block_m // qpk
+    splits = num_splits or _num_splits(S * kvh, max_query_len, max_context_len, q.device)
+    q = q.contiguous()
+    quant = k_cache.dtype not in (torch.bfloat16, torch.float16, torch.float32)
+    if splits == 1:
+        out = torch.empty_like(q)
+        target, lse = out.unsqueeze(0), out
+    else:
+        target = torch.empty((splits, T, H, D), device=q.device, dtype=torch.float32)
+        lse = torch.empty((splits, T, H), device=q.device, dtype=torch.float32)
+    ks = k_scale if quant else k_cache
+    vs = v_scale if quant else k_cache
+    stride_sb, stride_ss = (ks.stride(0), ks.stride(1)) if per_token else (0, 0)
+    grid = (S, triton.cdiv(max_query_len, block_q), kvh * splits)
+    paged_attention_kernel[grid](
+        q, k_cache, v_cache, ks, vs, block_tables, context_lens, query_start_loc, target, lse,
+        float(scale), float(softcap or 1.0), int(window or 0), k_cache.shape[1],
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        stride_sb, stride_ss, block_tables.stride(0),
+        target.stride(1), target.stride(2), target.stride(0),
+        lse.stride(1) if splits > 1 else 0, lse.stride(0) if splits > 1 else 0,
+        QPK=qpk, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=32 if D <= 128 else 16, NUM_SPLITS=splits,
+        KV_QUANT=quant, SCALE_PER_TOKEN=per_token, USE_WINDOW=window is not None, USE_SOFTCAP=softcap is not None,
+    )
+    if splits == 1:
+        return out
+    weights = torch.softmax(lse * math.log(2.0), dim=0)  # base-2 lse -> natural, over splits
+    return (weights.unsqueeze(-1) * target).sum(0).to(q.dtype)
+
+
+# --------------------------------------------------------------------------- reference (plain torch)
+def gather_sequence_kv(
+    cache: torch.Tensor, scale: torch.Tensor | None, block_table: torch.Tensor, length: int
+) -> torch.Tensor:
+    """fp32 ``[length, KVH, D]`` rows of one sequence from a paged cache (dequantized)."""
+    block_size = cache.shape[1]
+    pos = torch.arange(length, device=cache.device)
+    blocks, offsets = block_table.long()[pos // block_size], pos % block_size
+    rows_scale = scale if scale is None or scale.numel() == 1 else scale[blocks, offsets]
+    return reference_dequantize_kv(cache[blocks, offsets], rows_scale)
+
+
+def reference_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain-torch oracle (and CPU path) for ``paged_attention``: per sequence, gather and
+    dequantize its cache, then ``attention_backend.reference_attention``."""
+    _check_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, k_scale, v_scale)
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    for s, ctx in enumerate(context_lens.tolist()):
+        a, b = starts[s], starts[s + 1]
+        if a == b:
+            continue
+        k = gather_sequence_kv(k_cache, k_scale, block_tables[s], ctx)
+        v = gather_sequence_kv(v_cache, v_scale, block_tables[s], ctx)
+        q_pos = torch.arange(ctx - (b - a), ctx, device=q.device)
+        k_pos = torch.arange(ctx, device=q.device)
+        out[a:b] = reference_attention(q[a:b].float(), k, v, q_pos, k_pos, scale, window, softcap).to(q.dtype)
+    return out
