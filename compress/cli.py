@@ -17,6 +17,8 @@ from compress.errors import KvslimError
 COMMANDS: dict[str, str] = {
     "quantize": "quantize weights to FP8 / INT8 / INT4 (compressed-tensors)",
     "inspect": "describe a checkpoint: layout, scheme, bytes, KV per token, vLLM kernel fit",
+    "generate": "continue a prompt with the kvslim runtime (--stats: weight and KV bytes)",
+    "convert": "rewrite attention: MQA/GQA, cross-layer KV sharing, hybrid sliding window",
 }
 
 

@@ -1,0 +1,115 @@
+"""Calibration for the calibrated rewrites: each layer's attention input on real text.
+
+The input of layer ``l``'s attention is the output of its ``input_layernorm``; every calibrated
+rewrite (GQA merges, KV-sharing selection and refits, choosing global layers) is a function of
+these captured activations and the original weights. Text comes from ``wikipedia:calib`` by
+default (disjoint from healing and evaluation text) or from a plain-text file.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from compress.errors import KvslimError
+from eval.texts import DEFAULT_CALIB, RANGES, load_text
+
+DEFAULT_SEQ_LEN = 1024
+DEFAULT_NUM_SEQS = 2
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """Captured attention inputs: ``inputs[l]`` is ``[num_seqs, seq_len, hidden]`` (fp32)."""
+
+    inputs: tuple[torch.Tensor, ...]
+    text: str  # the named range or file the tokens came from
+    # per layer: mean attention probability on keys >= ``window`` positions back (queries past it)
+    far_mass: tuple[float, ...] | None = None
+    window: int | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return self.inputs[0].shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.inputs[0].shape[1]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_seqs * self.seq_len
+
+    def flat(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s inputs as ``[tokens, hidden]``."""
+        x = self.inputs[layer]
+        return x.reshape(-1, x.shape[-1])
+
+    def describe(self) -> str:
+        return f"{self.num_seqs} x {self.seq_len} tokens of {self.text}"
+
+
+def calibration_text(text_or_file: str | None) -> tuple[str, str]:
+    """``(name, text)`` for a named range (default ``wikipedia:calib``) or a UTF-8 text file."""
+    name = text_or_file or DEFAULT_CALIB
+    if name in RANGES:
+        if RANGES[name].role != "calib":
+            raise KvslimError(f"--calib {name}: calibration must not use {RANGES[name].role} text; use {DEFAULT_CALIB}")
+        return name, load_text(name)
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise KvslimError(f"--calib {name}: neither a known text range ({', '.join(RANGES)}) nor a file")
+    try:
+        return str(path), path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise KvslimError(f"--calib {name}: not a UTF-8 text file") from None
+
+
+def calibration_batches(tokenizer, text_or_file: str | None, num_seqs: int, seq_len: int) -> tuple[str, torch.Tensor]:
+    """``(name, ids [num_seqs, seq_len])`` of consecutive calibration tokens."""
+    name, text = calibration_text(text_or_file)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    need = num_seqs * seq_len
+    if len(ids) < need:
+        raise KvslimError(f"--calib {name}: {len(ids)} tokens, calibration needs {need} ({num_seqs} x {seq_len})")
+    return name, torch.tensor(ids[:need], dtype=torch.long).view(num_seqs, seq_len)
+
+
+def _far_mass(attn: torch.Tensor, window: int) -> float:
+    """Mean probability that queries ``i >= window`` put on keys ``j <= i - window``."""
+    probs = attn[0, :, window:].float()  # [heads, queries, keys]
+    rows = torch.arange(window, attn.shape[-1]).unsqueeze(1)
+    far = torch.arange(attn.shape[-1]).unsqueeze(0) <= rows - window
+    return float((probs * far).sum(-1).mean())
+
+
+@torch.no_grad()
+def capture_attention_inputs(model, ids: torch.Tensor, text: str, window: int | None = None) -> AttentionInputs:
+    """Run ``model`` over ``ids`` ``[num_seqs, seq_len]`` and keep every layer's attention input.
+
+    With ``window``, also measure each layer's attention mass beyond it (the model must use eager
+    attention so the probabilities exist); the sequences must be longer than the window.
+    """
+    layers = model.model.layers
+    captured: list[list[torch.Tensor]] = [[] for _ in layers]
+    mass = [0.0] * len(layers)
+    if window is not None and ids.shape[1] <= window:
+        raise KvslimError(f"calibration sequences of {ids.shape[1]} tokens cannot measure attention beyond window {window}")
+    hooks = [
+        layer.input_layernorm.register_forward_hook(
+            lambda _m, _inp, out, i=i: captured[i].append(out.detach().float())
+        )
+        for i, layer in enumerate(layers)
+    ]
+    try:
+        for row in ids:
+            out = model(input_ids=row.unsqueeze(0), use_cache=False, output_attentions=window is not None)
+            if window is not None:
+                for i, attn in enumerate(out.attentions):
+                    mass[i] += _far_mass(attn, window) / ids.shape[0]
+    finally:
+        for h in hooks:
+            h.remove()
+    inputs = tuple(torch.cat(c, dim=0) for c in captured)
+    return AttentionInputs(inputs, text, tuple(mass) if window is not None else None, window)

@@ -1,0 +1,176 @@
+"""`compress convert`: rewrite a checkpoint's attention (GQA/MQA, KV sharing, hybrid sliding).
+
+The rewrites combine in one pass, in this order: merge KV heads, share KV across layers (within
+runs of layers of the same kind), then mark layers local/global. The output is a plain HF
+checkpoint whose config states the new layout; where transformers cannot express it (KV sharing
+anywhere; per-layer windows on Llama/Mistral) it also carries our modeling file (``auto_map``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from attention_variants import gqa, kv_sharing, sliding
+from attention_variants.calibration import (
+    DEFAULT_NUM_SEQS, DEFAULT_SEQ_LEN, AttentionInputs, calibration_batches, capture_attention_inputs,
+)
+from attention_variants.layout import KV_SOURCE_KEY, AttentionLayout
+from attention_variants.modeling_files import CAUSAL_LM_CLASSES, auto_map_for, write_modeling_file
+from compress.architecture import model_type_of
+from compress.atomic import atomic_output_dir, check_output_dir
+from compress.checkpoint import Checkpoint, ShardWriter, write_config
+from compress.errors import KvslimError, UnsupportedArchitecture
+
+NATIVE_HYBRID = ("qwen2", "qwen3", "gemma3_text")  # transformers honours layer_types for these
+
+
+@dataclass(frozen=True)
+class ConvertSpec:
+    """What to rewrite. ``None`` leaves that aspect of the layout as it is."""
+
+    kv_heads: int | None = None
+    kv_share: int | None = None
+    kv_share_select: kv_sharing.SupplierSelect = "first"
+    sliding_window: int | None = None
+    global_every: int | None = None
+    global_layers: tuple[int, ...] | None = None
+    global_select: sliding.GlobalSelect = "fixed"
+    merge: gqa.MergeMethod = "calib"  # GQA merge, and whether KV-sharing readers get fitted maps
+    calib: str | None = None  # named text range or file (default wikipedia:calib)
+    calib_seqs: int = DEFAULT_NUM_SEQS
+    calib_seq_len: int = DEFAULT_SEQ_LEN
+
+    def describe(self) -> str:
+        parts = []
+        if self.kv_heads is not None:
+            parts.append("MQA" if self.kv_heads == 1 else f"GQA {self.kv_heads} KV heads")
+            parts[-1] += f" ({self.merge} merge)"
+        if self.kv_share is not None:
+            parts.append(f"KV shared in groups of {self.kv_share} ({self.kv_share_select} supplier, "
+                         f"{'fitted' if self.merge == 'calib' else 'plain'} readers)")
+        if self.sliding_window is not None:
+            which = f"layers {list(self.global_layers)}" if self.global_layers else f"1 in {self.global_every}"
+            parts.append(f"sliding window {self.sliding_window}, global {which} ({self.global_select})")
+        return " + ".join(parts)
+
+    @property
+    def needs_calibration(self) -> bool:
+        fitted = self.merge == "calib" and (self.kv_heads is not None or self.kv_share is not None)
+        return fitted or self.kv_share_select == "calib" or self.global_select == "calib"
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    out: Path
+    before: AttentionLayout
+    after: AttentionLayout
+    calibration: str | None  # what the calibration used, e.g. "2 x 1024 tokens of wikipedia:calib"
+
+
+def validate(spec: ConvertSpec, config: dict) -> AttentionLayout:
+    """Raise a one-line ``KvslimError`` for any request the model cannot take; return its layout."""
+    if config.get("quantization_config"):
+        raise KvslimError("checkpoint is quantized; convert works on unquantized weights: convert first, then quantize")
+    model_type = model_type_of(config)
+    layout = AttentionLayout.from_config(config)
+    n_layers, n_heads, n_kv = layout.num_layers, layout.num_heads, layout.num_kv_heads
+    if spec.kv_heads is None and spec.kv_share is None and spec.sliding_window is None:
+        raise KvslimError("nothing to convert: pass --kv-heads N / --mqa, --kv-share K or --sliding-window W")
+    if spec.kv_heads is not None:
+        n = spec.kv_heads
+        if n < 1 or n_heads % n:
+            raise KvslimError(f"--kv-heads {n} does not divide the model's {n_heads} attention heads")
+        if n >= n_kv or n_kv % n:
+            raise KvslimError(f"--kv-heads {n} conflicts with the model's {n_kv} KV heads (must be a smaller divisor of {n_kv})")
+        if spec.merge not in gqa.MERGE_METHODS:
+            raise KvslimError(f"--merge {spec.merge}: expected one of {', '.join(gqa.MERGE_METHODS)}")
+    if spec.kv_share is not None:
+        if not 1 <= spec.kv_share <= n_layers:
+            raise KvslimError(f"--kv-share {spec.kv_share} must be between 1 and the model's {n_layers} layers")
+        if KV_SOURCE_KEY in config:
+            raise KvslimError(f"--kv-share conflicts with the model's existing {KV_SOURCE_KEY}")
+        if model_type not in CAUSAL_LM_CLASSES:
+            raise UnsupportedArchitecture(f"--kv-share is not supported for model_type {model_type}")
+    if spec.sliding_window is not None:
+        w, context = spec.sliding_window, int(config.get("max_position_embeddings") or 0)
+        if w < 1 or (context and w >= context):
+            raise KvslimError(f"--sliding-window {w} must be at least 1 and below the model's context ({context})")
+        if layout.sliding_layers():
+            raise KvslimError("--sliding-window conflicts with the model's existing sliding-window layers")
+        if (spec.global_every is None) == (spec.global_layers is None):
+            raise KvslimError("--sliding-window needs exactly one of --global-every G or --global-layers i,j,...")
+        if spec.global_every is not None and not 1 <= spec.global_every <= n_layers:
+            raise KvslimError(f"--global-every {spec.global_every} must be between 1 and the model's {n_layers} layers")
+        if spec.global_layers is not None:
+            bad = [i for i in spec.global_layers if not 0 <= i < n_layers]
+            if bad or len(set(spec.global_layers)) != len(spec.global_layers):
+                raise KvslimError(f"--global-layers {list(spec.global_layers)}: need distinct layers in [0, {n_layers})")
+    elif spec.global_every is not None or spec.global_layers is not None:
+        raise KvslimError("--global-every / --global-layers need --sliding-window")
+    return layout
+
+
+def calibrate(ckpt: Checkpoint, spec: ConvertSpec) -> AttentionInputs:
+    """Capture the original model's attention inputs (and far attention mass, if needed)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    window = spec.sliding_window if spec.global_select == "calib" else None
+    model = AutoModelForCausalLM.from_pretrained(
+        ckpt.path, dtype=torch.float32, attn_implementation="eager" if window else "sdpa"
+    ).eval()
+    tokenizer = AutoTokenizer.from_pretrained(ckpt.path)
+    name, ids = calibration_batches(tokenizer, spec.calib, spec.calib_seqs, spec.calib_seq_len)
+    return capture_attention_inputs(model, ids, name, window=window)
+
+
+def rewrite(
+    weights: dict[str, torch.Tensor], config: dict, spec: ConvertSpec, calib: AttentionInputs | None
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """Apply the rewrites to in-memory weights and config; return the new ones."""
+    config = dict(config)
+    n_layers = int(config["num_hidden_layers"])
+    if spec.kv_heads is not None:
+        weights = gqa.merge_kv_heads(weights, config, spec.kv_heads, spec.merge, calib)
+        config["num_key_value_heads"] = spec.kv_heads
+    kinds = ["full"] * n_layers
+    if spec.sliding_window is not None:
+        types = sliding.hybrid_layer_types(n_layers, spec.global_every, spec.global_layers, spec.global_select, calib)
+        kinds = ["sliding" if t == sliding.SLIDING else "full" for t in types]
+        config.update(sliding_window=spec.sliding_window, layer_types=types)
+        if config["model_type"] in ("qwen2", "qwen3"):
+            config["use_sliding_window"] = True
+    if spec.kv_share is not None:
+        fit = "calib" if spec.merge == "calib" else "none"
+        sources = kv_sharing.choose_suppliers(weights, config, spec.kv_share, spec.kv_share_select, fit, calib, kinds)
+        weights = kv_sharing.share_kv(weights, config, sources, fit, calib)
+        config[KV_SOURCE_KEY] = sources
+    layout = AttentionLayout.from_config(config)  # re-validates the combination
+    config.update(layout.config_updates())
+    hybrid_needs_ours = spec.sliding_window is not None and config["model_type"] not in NATIVE_HYBRID
+    if spec.kv_share is not None or hybrid_needs_ours:
+        config["auto_map"] = auto_map_for(config["model_type"])
+    return weights, config
+
+
+def convert(model_dir: Path, spec: ConvertSpec, out: Path, force: bool = False) -> ConvertResult:
+    """Rewrite ``model_dir`` per ``spec`` into a new checkpoint at ``out`` (atomically)."""
+    ckpt = Checkpoint.open(model_dir)
+    before = validate(spec, ckpt.config)
+    check_output_dir(Path(out), force)
+    if spec.global_select == "calib" and spec.calib_seq_len <= (spec.sliding_window or 0):
+        spec = replace(spec, calib_seq_len=spec.sliding_window + 512)
+    calib = calibrate(ckpt, spec) if spec.needs_calibration else None
+    weights = dict(ckpt.iter_tensors())
+    weights, config = rewrite(weights, ckpt.config, spec, calib)
+    with atomic_output_dir(out, force) as tmp:
+        writer = ShardWriter(tmp)
+        for name, tensor in weights.items():
+            writer.add(name, tensor)
+        writer.close()
+        ckpt.copy_side_files(tmp)
+        if "auto_map" in config:
+            write_modeling_file(tmp)
+        write_config(tmp, config)
+    return ConvertResult(Path(out), before, AttentionLayout.from_config(config), calib.describe() if calib else None)

@@ -1,0 +1,62 @@
+"""Attention projection weights as stored in HF checkpoints, and the rotary-pair algebra.
+
+Rotary embedding (HF layout, ``rotate_half``) rotates the dimension pairs ``(i, i + head_dim/2)``
+of each head by the same angle in q and k. Treating a pair as a complex number ``a + jb``, a
+rotation is a multiplication by ``exp(j phi)``, so multiplying a key pair by a complex scalar
+``b`` commutes with it, and ``q . (b k) = (conj(b) q) . k`` lets that scalar move into ``q_proj``.
+That is the only linear freedom K has under rotary, and what the calibrated merges use.
+"""
+from __future__ import annotations
+
+import torch
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def proj_key(layer: int, proj: str, param: str = "weight") -> str:
+    return f"model.layers.{layer}.self_attn.{proj}.{param}"
+
+
+def augmented(weights: dict[str, torch.Tensor], layer: int, proj: str) -> torch.Tensor:
+    """``[W | b]`` (fp64) for a projection, so ``W x + b = [W | b] [x; 1]``; ``W`` if it has no bias."""
+    w = weights[proj_key(layer, proj)].double()
+    bias = weights.get(proj_key(layer, proj, "bias"))
+    return w if bias is None else torch.cat([w, bias.double().unsqueeze(1)], dim=1)
+
+
+def store_augmented(weights: dict[str, torch.Tensor], layer: int, proj: str, w_aug: torch.Tensor, dtype) -> None:
+    """Inverse of :func:`augmented`: write ``W`` (and the bias column, if the layer has one)."""
+    if proj_key(layer, proj, "bias") in weights:
+        weights[proj_key(layer, proj)] = w_aug[:, :-1].to(dtype).contiguous()
+        weights[proj_key(layer, proj, "bias")] = w_aug[:, -1].to(dtype).contiguous()
+    else:
+        weights[proj_key(layer, proj)] = w_aug.to(dtype).contiguous()
+
+
+def input_covariance(x: torch.Tensor, with_bias: bool) -> torch.Tensor:
+    """``E[x x^T]`` (fp64) over tokens ``x [T, D]``, augmented with a constant 1 when biases exist."""
+    x = x.double()
+    if with_bias:
+        x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], dim=1)
+    return x.T @ x / x.shape[0]
+
+
+def heads(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rows of a q/k/v projection as ``[num_heads, head_dim, in]``."""
+    return w.reshape(-1, head_dim, w.shape[-1])
+
+
+def complex_pairs(w_head: torch.Tensor) -> torch.Tensor:
+    """A head's rows ``[head_dim, in]`` as complex rotary pairs ``[head_dim/2, in]``."""
+    half = w_head.shape[0] // 2
+    return torch.complex(w_head[:half], w_head[half:])
+
+
+def real_rows(pairs: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`complex_pairs`."""
+    return torch.cat([pairs.real, pairs.imag], dim=0)
+
+
+def fold_into_query(q_head: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Query rows ``[head_dim, in]`` that see keys multiplied per pair by complex ``scale [head_dim/2]``."""
+    return real_rows(complex_pairs(q_head) * scale.conj().unsqueeze(1))

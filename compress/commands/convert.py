@@ -1,0 +1,60 @@
+"""`compress convert`: rewrite attention into MQA/GQA, cross-layer KV sharing, hybrid sliding window."""
+from __future__ import annotations
+
+import argparse
+
+
+def _layer_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got {text!r}") from None
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="checkpoint dir, .gguf file, or smollm2 / gemma3-270m")
+    p.add_argument("-o", "--out", required=True, help="output checkpoint directory")
+    heads = p.add_mutually_exclusive_group()
+    heads.add_argument("--kv-heads", type=int, metavar="N", help="merge KV heads down to N per layer (GQA)")
+    heads.add_argument("--mqa", action="store_true", help="one KV head per layer (same as --kv-heads 1)")
+    p.add_argument("--merge", choices=("calib", "mean"), default="calib",
+                   help="calib: merges/refits fitted on calibration text, folded into q_proj/o_proj (default); "
+                        "mean: mean-pool KV heads, KV-sharing readers use the supplier's K/V as is")
+    p.add_argument("--kv-share", type=int, metavar="K", help="share K/V in groups of K consecutive layers")
+    p.add_argument("--kv-share-select", choices=("first", "calib"), default="first",
+                   help="first: fixed groups read from their first layer; calib: place groups by calibration")
+    p.add_argument("--sliding-window", type=int, metavar="W", help="local attention with window W on non-global layers")
+    glob = p.add_mutually_exclusive_group()
+    glob.add_argument("--global-every", type=int, metavar="G", help="one global layer in G (layers G-1, 2G-1, ...)")
+    glob.add_argument("--global-layers", type=_layer_list, metavar="i,j,...", help="these layers stay global")
+    p.add_argument("--global-select", choices=("fixed", "calib"), default="fixed",
+                   help="calib: choose as many global layers by attention mass beyond W on calibration text")
+    p.add_argument("--calib", metavar="TEXT_OR_FILE", help="calibration text: wikipedia:calib (default) or a file")
+    p.add_argument("--eval-tokens", type=int, default=4096,
+                   help="unhealed perplexity on this many wikipedia:eval tokens, before and after (0: skip)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing output")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from attention_variants.convert import ConvertSpec, convert
+    from attention_variants.summary import print_summary
+    from compress.model_source import resolve_model
+
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), 16)))
+    spec = ConvertSpec(
+        kv_heads=1 if args.mqa else args.kv_heads,
+        kv_share=args.kv_share,
+        kv_share_select=args.kv_share_select,
+        sliding_window=args.sliding_window,
+        global_every=args.global_every,
+        global_layers=args.global_layers,
+        global_select=args.global_select,
+        merge=args.merge,
+        calib=args.calib,
+    )
+    source = resolve_model(args.model)
+    result = convert(source, spec, args.out, force=args.force)
+    print_summary(source, result, spec, args.eval_tokens)
+    return 0
