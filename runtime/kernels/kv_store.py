@@ -174,7 +174,7 @@ def reference_dequantize_kv(x: torch.Tensor, scale: torch.Tensor | None) -> torc
         return x.float()
     if scale.numel() == 1:
         return kv_quant.dequantize(x, scale.reshape(()))
-    return kv_quant.dequantize(x, scale.unsqueeze(-1))
+    return kv_quant.dequantize(x, scale)
 
 
 def reference_store_kv(

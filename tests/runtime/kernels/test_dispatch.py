@@ -1,0 +1,58 @@
+import pytest
+import torch
+
+from compress import primitives, schemes
+from compress.errors import KvslimError
+from runtime.kernels import dequant_matmul as dm
+from runtime.kernels import dispatch
+from tests.runtime.kernels.paged_setup import make_paged_batch
+
+
+@pytest.mark.parametrize("scheme,expected", [
+    (schemes.W4A16, dispatch.WeightScheme("int", 4, True)),
+    (schemes.W4A16_ASYM, dispatch.WeightScheme("int", 4, False)),
+    (schemes.W8A16, dispatch.WeightScheme("int", 8, True)),
+    (schemes.FP8_DYNAMIC, dispatch.WeightScheme("float", 8, True, fp8_activations=True)),
+])
+def test_weight_scheme_from_our_config_groups(scheme, expected):
+    assert dispatch.WeightScheme.from_config_group(scheme.to_config_group()) == expected
+
+
+def test_unsupported_scheme_is_a_one_line_error():
+    with pytest.raises(KvslimError, match="no kernel"):
+        dispatch.WeightScheme.from_config_group({"weights": {"type": "int", "num_bits": 2}})
+
+
+@pytest.mark.parametrize("scheme", [schemes.W4A16_ASYM, schemes.W8A16, schemes.FP8_DYNAMIC])
+def test_quantized_linear_cpu_path_is_the_reference(scheme):
+    w = torch.randn(32, 128)
+    scale, zp = primitives.compute_qparams(w, scheme)
+    tensors = primitives.encode_linear(primitives.quantize(w, scale, zp, scheme), scale, zp, scheme)
+    declared = dispatch.WeightScheme.from_config_group(scheme.to_config_group())
+    x = torch.randn(2, 3, 128, dtype=torch.bfloat16)
+    y = dispatch.quantized_linear(x, declared, tensors, bias=torch.ones(32, dtype=torch.bfloat16))
+    assert y.shape == (2, 3, 32) and y.dtype == torch.bfloat16
+    dense = primitives.dequantize_linear(tensors, scheme).float()
+    if declared.fp8_activations:
+        expected = dm.reference_fp8_w8a8_matmul(x.reshape(6, 128), tensors["weight"], tensors["weight_scale"])
+    else:
+        expected = (x.reshape(6, 128).float() @ dense.t()).to(torch.bfloat16)
+    torch.testing.assert_close(y.reshape(6, 32), expected + 1)
+
+
+def test_quantized_linear_checks_declared_symmetry():
+    w = torch.randn(8, 64)
+    scheme = schemes.W4A16_ASYM
+    scale, zp = primitives.compute_qparams(w, scheme)
+    tensors = primitives.encode_linear(primitives.quantize(w, scale, zp, scheme), scale, zp, scheme)
+    with pytest.raises(KvslimError, match="weight_zero_point is present"):
+        dispatch.quantized_linear(torch.randn(1, 64), dispatch.WeightScheme("int", 4, True), tensors)
+
+
+def test_attention_and_store_cpu_paths():
+    b = make_paged_batch([6, 3], [2, 1], 4, 2, 16, torch.int8, "token")
+    out = dispatch.paged_attention(*b.args(), scale=0.25, k_scale=b.k_scale, v_scale=b.v_scale)
+    assert out.shape == b.q.shape
+    k = torch.randn(1, 2, 16)
+    dispatch.store_kv(k, k, b.k_cache, b.v_cache, torch.tensor([0]), b.k_scale, b.v_scale)
+    assert b.k_scale[0, 0].tolist() == (k[0].abs().amax(-1) / 127).tolist()
