@@ -19,6 +19,8 @@ COMMANDS: dict[str, str] = {
     "inspect": "describe a checkpoint: layout, scheme, bytes, KV per token, vLLM kernel fit",
     "generate": "continue a prompt with the kvslim runtime (--stats: weight and KV bytes)",
     "convert": "rewrite attention: MQA/GQA, cross-layer KV sharing, hybrid sliding window",
+    "serve": "serve a checkpoint over an OpenAI-compatible HTTP API (streaming, /metrics)",
+    "bench": "benchmarks: `bench serve` load-tests a running server (TTFT, TPOT, ITL, tok/s)",
 }
 
 

@@ -1,0 +1,109 @@
+"""`compress serve [CKPT]`: an OpenAI-compatible HTTP server for a (compressed) checkpoint.
+
+    compress serve                              # the default model on http://127.0.0.1:8000
+    compress serve out/smollm2-fp8 --kv-cache-dtype fp8 --api-key "$KEY"
+
+Listens on loopback unless ``--host`` says otherwise. SIGTERM (or Ctrl-C) stops accepting
+connections, lets in-flight requests finish, then stops the engine.
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+
+from compress.errors import KvslimError
+
+DEFAULT_MODEL = "smollm2"
+KV_DTYPES = {"auto": None, "fp8": "fp8_e4m3", "int8": "int8"}
+API_KEY_ENV = "KVSLIM_API_KEY"
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", nargs="?", default=None, metavar="CKPT",
+                   help=f"checkpoint dir or model name (default: {DEFAULT_MODEL})")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (or set ${API_KEY_ENV})")
+    p.add_argument("--kv-cache-dtype", choices=sorted(KV_DTYPES), default="auto",
+                   help="KV cache dtype; auto = the checkpoint's kv_cache_scheme, else the model dtype")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most requests in the running batch")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens")
+    p.add_argument("--max-queue", type=int, default=None,
+                   help="most requests held (running + waiting) before answering 429 (default: 4 x max-num-seqs)")
+    p.add_argument("--kv-cache-mib", type=int, default=512, help="KV cache budget in MiB")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: CKPT's name)")
+    p.add_argument("--original", default=None, metavar="CKPT",
+                   help="the uncompressed model, for the KV-saving metric (default: the default model when "
+                        "serving it, else CKPT's own layout in bf16)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from attention_variants.layout import AttentionLayout
+    from compress.model_source import resolve_model
+    from runtime.engine import Engine, EngineConfig
+    from runtime.kv_cache import KV_DTYPES as KV_TORCH_DTYPES
+    from runtime.server.app import create_app
+    from runtime.server.engine_adapter import ThreadedEngine
+    from runtime.server.metrics import KVFootprint
+
+    if not 0 < args.port < 65536:
+        raise KvslimError(f"--port must be in 1..65535, got {args.port}")
+    for name in ("max_num_seqs", "kv_cache_mib"):
+        if getattr(args, name) < 1:
+            raise KvslimError(f"--{name.replace('_', '-')} must be positive")
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    source = args.checkpoint or DEFAULT_MODEL
+    path = resolve_model(source)
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        raise KvslimError(f"{path}: no tokenizer files; the server needs the model's tokenizer")
+    engine = Engine.from_checkpoint(path, EngineConfig(
+        kv_dtype=KV_DTYPES[args.kv_cache_dtype],
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        kv_cache_bytes=args.kv_cache_mib << 20,
+    ))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+
+    layout = AttentionLayout.from_config(json.loads((path / "config.json").read_text()))
+    original_source = args.original or (DEFAULT_MODEL if args.checkpoint is None else None)
+    original = layout if original_source is None else AttentionLayout.from_config(
+        json.loads((resolve_model(original_source) / "config.json").read_text()))
+    group = engine.kv_spec.groups[0]
+    dtype_bytes = torch.empty((), dtype=KV_TORCH_DTYPES[group.kv_dtype]).element_size()
+    footprint = KVFootprint.of(layout, dtype_bytes, engine.kv_spec.scale_bytes(group), original, engine.max_model_len)
+
+    model_name = args.served_model_name or (source if args.checkpoint is None else path.name)
+    max_queue = args.max_queue or 4 * args.max_num_seqs
+    app = create_app(ThreadedEngine(engine), tokenizer, model_name, footprint, api_key=api_key, max_queue=max_queue)
+    if not _is_loopback(args.host):
+        sys.stderr.write(f"compress serve: listening on {args.host}, reachable from other machines"
+                         f"{'' if api_key else ' WITHOUT an API key'}\n")
+    sys.stderr.write(
+        f"compress serve: {model_name} ({path}) on http://{args.host}:{args.port}  kv={group.kv_dtype} "
+        f"{footprint.bytes_per_token:.0f} B/token ({100 * footprint.saving:.0f}% below the original), "
+        f"max_model_len={engine.max_model_len}, max_num_seqs={args.max_num_seqs}, queue={max_queue}\n")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0
