@@ -1,0 +1,63 @@
+"""`compress convert` through the CLI: a good run, and bad input (one line, exit 2, nothing written)."""
+import json
+import shutil
+
+import pytest
+
+from compress.cli import main
+from tests.tiny_models import make_tiny_checkpoint
+
+
+def test_convert_writes_checkpoint_and_summary(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = main(["convert", str(tiny_llama), "--mqa", "--merge", "mean", "--kv-share", "2", "--sliding-window", "16",
+               "--global-every", "2", "--eval-tokens", "0", "-o", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "KiB/token" in text and "KV heads" in text
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_key_value_heads"] == 1 and config["sliding_window"] == 16
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory, tiny_checkpoints):
+    path = tmp_path_factory.mktemp("q") / "quantized"
+    shutil.copytree(tiny_checkpoints["llama"], path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors"}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+BAD = {
+    "heads_not_dividing": ("llama", ["--kv-heads", "3"], "does not divide"),
+    "heads_not_fewer": ("llama", ["--kv-heads", "2"], "conflicts"),
+    "share_zero": ("llama", ["--kv-share", "0"], "between 1 and"),
+    "share_too_many": ("llama", ["--kv-share", "5"], "between 1 and"),
+    "window_at_context": ("llama", ["--sliding-window", "512", "--global-every", "2"], "below the model's context"),
+    "window_without_globals": ("llama", ["--sliding-window", "16"], "exactly one of"),
+    "globals_out_of_range": ("llama", ["--sliding-window", "16", "--global-layers", "1,9"], "distinct layers"),
+    "already_sliding": ("mistral", ["--sliding-window", "16", "--global-every", "2"], "conflicts"),
+    "already_mqa": ("gemma3_text", ["--mqa"], "conflicts"),
+    "gemma_share": ("gemma3_text", ["--kv-share", "2"], "not supported"),
+    "nothing": ("llama", [], "nothing to convert"),
+    "quantized": ("quantized", ["--mqa"], "convert first, then quantize"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_one_line_exit_2_nothing_written(case, tiny_checkpoints, quantized, tmp_path, capsys):
+    arch, flags, message = BAD[case]
+    src = quantized if arch == "quantized" else tiny_checkpoints[arch]
+    out = tmp_path / "out"
+    rc = main(["convert", str(src), *flags, "--eval-tokens", "0", "-o", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert message in err and err.count("\n") == 1
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_refuses_existing_output(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main(["convert", str(tiny_llama), "--mqa", "--merge", "mean", "--eval-tokens", "0", "-o", str(out)]) == 2
