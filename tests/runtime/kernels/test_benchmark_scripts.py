@@ -1,0 +1,49 @@
+"""The GPU benchmark scripts: a clear one-line refusal without CUDA, and a CPU smoke run that
+exercises their logic (shapes, bytes, reference checks, JSON) through the Triton interpreter
+(already active in this process: tests/conftest.py sets TRITON_INTERPRET without CUDA)."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def script(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
+@pytest.mark.parametrize("name", ["kernels_roofline", "paged_attention_bench"])
+def test_without_cuda_the_scripts_exit_with_one_line(name, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert script(name).main(["--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1 and "CUDA" in captured.err
+    assert not out.exists()
+
+
+def test_paged_attention_bench_smoke(tmp_path):
+    out = tmp_path / "pa.json"
+    assert script("paged_attention_bench").main(["--smoke", "--kv", "int8/token", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["phase"] for r in rows} == {"decode", "prefill"} and all(r["ok"] for r in rows)
+    decode = next(r for r in rows if r["phase"] == "decode")
+    # 2 sequences x 40 tokens x K and V x 2 KV heads x (16 int8 + a 4-byte scale)
+    assert decode["kv_bytes"] == 2 * 40 * 2 * 2 * (16 + 4)
+
+
+def test_kernels_roofline_smoke(tmp_path):
+    out = tmp_path / "roof.json"
+    args = ["--smoke", "--schemes", "bf16,w4a16-g128-asym", "--batches", "1", "--out", str(out)]
+    assert script("kernels_roofline").main(args) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["scheme"], r["M"]) for r in rows] == [("bf16", 1), ("w4a16-g128-asym", 1)]
+    # packed int4 (64x256/2) + bf16 scales (64x2) + packed zero points (8x2 int32) + x + out, fp32 in smoke
+    assert rows[1]["bytes"] == 64 * 128 + 64 * 2 * 2 + 8 * 2 * 4 + 256 * 4 + 64 * 4
+    assert all(r["ok"] for r in rows)
