@@ -1,0 +1,245 @@
+"""Run the eval pack on a checkpoint: lm-eval's ``simple_evaluate`` + the perplexity entries.
+
+A backend turns a checkpoint directory into an :class:`EvalModel`: an lm-eval ``LM`` for the tasks
+and a logits function + tokenizer for the perplexity entries. ``hf`` is lm-eval's own ``hf`` model
+(``HFLM``) over a transformers model we load ourselves, so that compressed-tensors checkpoints are
+dequantized by transformers and remote code runs only when it is one of kvslim's modeling files.
+Another backend is one more entry in :data:`BACKENDS`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from compress.errors import CheckpointError, KvslimError
+from eval.perplexity import LogitsFn
+from eval.perplexity_task import PERPLEXITY_TASKS, PERPLEXITY_TOKENS, run_perplexity_task
+from eval.results_cache import EvalResults, TaskScore
+from eval.task_pack import LM_EVAL_TASKS, PACK_VERSION, ensure_pack
+
+# Docs per lm-eval task in a default run (the first N docs of the split). Chosen from measured
+# token counts (SmolLM2 tokenizer, tokens per doc summed over choices: hellaswag 176, arc_easy 133,
+# arc_challenge 166, piqa 74, winogrande 46, lambada 78, boolq 295, sciq 444) so that a default run
+# of the default model (~152k task tokens + 2 x 8,192-token perplexities) stays under 15 minutes
+# on 2 cores at the ~250 tokens/s measured for SmolLM2-135M fp32. See BENCHMARKS.md for the run.
+DEFAULT_LIMITS: dict[str, int] = {
+    "hellaswag": 150,
+    "arc_easy": 150,
+    "arc_challenge": 150,
+    "piqa": 200,
+    "winogrande": 200,
+    "lambada_openai": 200,
+    "boolq": 80,
+    "sciq": 40,
+}
+DEFAULT_TASKS: tuple[str, ...] = tuple(LM_EVAL_TASKS) + tuple(PERPLEXITY_TASKS)
+DEFAULT_BATCH_SIZE = 8
+BOOTSTRAP_ITERS = 1000  # lambada's perplexity stderr is bootstrapped; lm-eval's 100k is minutes on CPU
+SEED = 1234
+
+
+@dataclass(frozen=True)
+class EvalModel:
+    """What the eval pack needs from a backend."""
+
+    lm: Any  # an lm_eval.api.model.LM
+    logits_fn: LogitsFn
+    tokenizer: Any
+
+
+def remote_code_allowed(ckpt: Path) -> bool:
+    """True when the checkpoint carries modeling code that is verifiably kvslim's own.
+
+    Never arbitrary ``trust_remote_code``: every ``.py`` file must be one of our modeling files,
+    checked by sha256 in ``attention_variants.modeling_files``.
+    """
+    py_files = sorted(p.name for p in ckpt.glob("*.py"))
+    if not py_files:
+        return False
+    import importlib.util
+
+    # INTEGRATION POINT: attention_variants/modeling_files.py (the convert issue) provides
+    # is_our_modeling_file(path) -> bool. Until it exists, code-carrying checkpoints are refused.
+    if importlib.util.find_spec("attention_variants.modeling_files") is None:
+        raise KvslimError(
+            f"{ckpt} carries modeling code ({', '.join(py_files)}) that kvslim cannot verify yet; refusing to run it"
+        )
+    from attention_variants.modeling_files import is_our_modeling_file
+
+    foreign = [name for name in py_files if not is_our_modeling_file(ckpt / name)]
+    if foreign:
+        raise KvslimError(
+            f"{ckpt}: {', '.join(foreign)} is not one of kvslim's modeling files (sha256 mismatch); "
+            "refusing trust_remote_code"
+        )
+    return True
+
+
+def load_hf(ckpt: Path, batch_size: int) -> EvalModel:
+    """lm-eval's own ``hf`` model over a transformers model loaded from ``ckpt`` (fp32, CPU)."""
+    import torch
+    from lm_eval.api.registry import get_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config_file = ckpt / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{ckpt}: no config.json (not a checkpoint directory)")
+    config = json.loads(config_file.read_text())
+    kwargs: dict[str, Any] = {"dtype": torch.float32, "trust_remote_code": remote_code_allowed(ckpt)}
+    quant = config.get("quantization_config")
+    if quant is not None:
+        if quant.get("quant_method") != "compressed-tensors":
+            raise CheckpointError(f"{ckpt}: quantization method {quant.get('quant_method')!r} is not compressed-tensors")
+        from transformers import CompressedTensorsConfig
+
+        kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(ckpt), **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(str(ckpt))
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{ckpt}: transformers cannot load it ({str(e).splitlines()[0]})") from None
+    model.eval()
+    lm = get_model("hf")(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(model.device))
+    from eval.perplexity import hf_logits_fn
+
+    return EvalModel(lm=lm, logits_fn=hf_logits_fn(model), tokenizer=tokenizer)
+
+
+# backend name -> loader. `--backend kvslim` (the paged-KV runtime) becomes one more entry.
+BACKENDS: dict[str, Callable[[Path, int], EvalModel]] = {"hf": load_hf}
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """What to run: tasks, per-task doc limits, perplexity tokens, batch size."""
+
+    tasks: tuple[str, ...]
+    limits: dict[str, int]
+    perplexity_tokens: int = PERPLEXITY_TOKENS
+    batch_size: int = DEFAULT_BATCH_SIZE
+
+    @classmethod
+    def make(cls, tasks: list[str] | None, limit: int | None, perplexity_tokens: int | None, batch_size: int) -> "EvalPlan":
+        names = tuple(tasks) if tasks else DEFAULT_TASKS
+        unknown = [t for t in names if t not in LM_EVAL_TASKS and t not in PERPLEXITY_TASKS]
+        if unknown:
+            raise KvslimError(f"unknown task(s) {', '.join(unknown)}; known: {', '.join(DEFAULT_TASKS)}")
+        if limit is not None and limit < 1:
+            raise KvslimError(f"--limit must be >= 1, got {limit}")
+        limits = {t: min(limit or DEFAULT_LIMITS[t], LM_EVAL_TASKS[t].num_docs) for t in names if t in LM_EVAL_TASKS}
+        return cls(names, limits, perplexity_tokens or PERPLEXITY_TOKENS, batch_size)
+
+    def settings(self) -> dict:
+        """Everything that changes the numbers: part of the results cache key."""
+        import lm_eval
+        import transformers
+
+        return {
+            "tasks": sorted(self.tasks),
+            "limits": dict(sorted(self.limits.items())),
+            "perplexity_tokens": self.perplexity_tokens if any(t in PERPLEXITY_TASKS for t in self.tasks) else None,
+            "batch_size": self.batch_size,
+            "pack_version": PACK_VERSION,
+            "lm_eval": lm_eval.__version__,
+            "transformers": transformers.__version__,
+            "seed": SEED,
+        }
+
+
+def _lm_eval_scores(model: EvalModel, plan: EvalPlan) -> dict[str, TaskScore]:
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    names = [t for t in plan.tasks if t in LM_EVAL_TASKS]
+    if not names:
+        return {}
+    manager = TaskManager(include_path=str(ensure_pack()), include_defaults=False)
+    # `samples` gives each task its own first-N docs in one run (`limit` is one number for all).
+    out = simple_evaluate(
+        model=model.lm,
+        tasks=names,
+        task_manager=manager,
+        samples={t: list(range(plan.limits[t])) for t in names},
+        bootstrap_iters=BOOTSTRAP_ITERS,
+        log_samples=False,
+        random_seed=SEED,
+        numpy_random_seed=SEED,
+        torch_random_seed=SEED,
+        fewshot_random_seed=SEED,
+    )
+    scores = {}
+    for name in names:
+        row = out["results"][name]
+        metric = LM_EVAL_TASKS[name].primary_metric
+        metrics = {k.split(",")[0]: float(v) for k, v in row.items() if "," in k and isinstance(v, (int, float))}
+        stderr = metrics.get(f"{metric}_stderr")
+        scores[name] = TaskScore(
+            task=name,
+            metric=metric,
+            value=metrics[metric],
+            stderr=stderr,
+            num_samples=int(out["n-samples"][name]["effective"]),
+            higher_is_better=True,
+            metrics=metrics,
+            detail=f"first {plan.limits[name]} docs, 0-shot",
+        )
+    return scores
+
+
+def _perplexity_scores(model: EvalModel, plan: EvalPlan) -> dict[str, TaskScore]:
+    scores = {}
+    for name in plan.tasks:
+        if name not in PERPLEXITY_TASKS:
+            continue
+        r = run_perplexity_task(PERPLEXITY_TASKS[name], model.logits_fn, model.tokenizer, plan.perplexity_tokens)
+        scores[name] = TaskScore(
+            task=name,
+            metric="perplexity",
+            value=r["perplexity"],
+            stderr=None,
+            num_samples=r["num_tokens"],
+            higher_is_better=False,
+            metrics={
+                "perplexity": r["perplexity"],
+                "nll_sum": r["nll_sum"],
+                "num_scored": float(r["num_scored"]),
+                # a uniform guess over the vocabulary: the "chance" of a perplexity entry
+                "uniform_perplexity": float(len(model.tokenizer)),
+            },
+            detail=f"{r['text']}, first {r['num_tokens']} tokens, context {r['context']}, stride {r['stride']}",
+        )
+    return scores
+
+
+def _cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def run_eval(ckpt: Path, ckpt_sha256: str, plan: EvalPlan, backend: str = "hf") -> EvalResults:
+    """Evaluate ``ckpt`` on ``plan`` with ``backend`` (offline: the hub is switched off)."""
+    if backend not in BACKENDS:
+        raise KvslimError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    import torch
+
+    torch.manual_seed(SEED)
+    start, cpu_start = time.perf_counter(), _cpu_seconds()
+    model = BACKENDS[backend](ckpt, plan.batch_size)
+    scores = {**_lm_eval_scores(model, plan), **_perplexity_scores(model, plan)}
+    ordered = {t: scores[t] for t in plan.tasks}
+    return EvalResults(
+        checkpoint=str(ckpt),
+        checkpoint_sha256=ckpt_sha256,
+        backend=backend,
+        settings=plan.settings(),
+        scores=ordered,
+        seconds=time.perf_counter() - start,
+        cpu_seconds=_cpu_seconds() - cpu_start,
+    )
