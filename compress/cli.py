@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "convert": "rewrite attention: MQA/GQA, cross-layer KV sharing, hybrid sliding window",
     "serve": "serve a checkpoint over an OpenAI-compatible HTTP API (streaming, /metrics)",
     "bench": "benchmarks: `bench serve` load-tests a running server (TTFT, TPOT, ITL, tok/s)",
+    "eval": "lm-eval tasks + perplexity on the offline pack; --baseline applies recovery gates",
 }
 
 
