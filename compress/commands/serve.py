@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
                          f"{'' if api_key else ' WITHOUT an API key'}\n")
     sys.stderr.write(
         f"compress serve: {model_name} ({path}) on http://{args.host}:{args.port}  kv={group.kv_dtype} "
-        f"{footprint.bytes_per_token:.0f} B/token ({100 * footprint.saving:.0f}% below the original), "
+        f"{footprint.bytes_per_token:.0f} B/token (original in bf16: {footprint.original_bytes_per_token:.0f}), "
         f"max_model_len={engine.max_model_len}, max_num_seqs={args.max_num_seqs}, queue={max_queue}\n")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0
