@@ -10,13 +10,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
 from compress.errors import KvslimError
+from runtime.kernels.paged_attention import attention_num_warps
 
 SM90 = ("cuda", 90, 32)  # backend, compute capability, warp size
+H100_SHARED_BYTES = 227 * 1024  # opt-in shared memory per block on sm_90
 
 # Scalar arguments that are floats; every other non-pointer, non-constexpr argument is i32.
 FLOAT_ARGS = {"sm_scale", "softcap"}
@@ -32,12 +37,13 @@ class KernelVariant:
     pointers: dict = field(default_factory=dict)
     constexprs: dict = field(default_factory=dict)
     quick: bool = False  # part of the CI subset
+    num_warps: int = 4  # as the wrapper launches it
 
 
 def _int_variants() -> list[KernelVariant]:
     out = []
     decode = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)
-    prefill = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)
+    prefill = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64)
     for bits in (4, 8):
         for has_zp in (False, True):
             for g_idx in (False, True):
@@ -55,12 +61,20 @@ def _int_variants() -> list[KernelVariant]:
     out.append(KernelVariant("int4 sym fp16 prefill", "int_weight_matmul_kernel", "runtime.kernels.dequant_matmul",
                              {"x_ptr": "*fp16", "packed_ptr": "*i32", "scale_ptr": "*fp16", "zp_ptr": "*i32",
                               "g_idx_ptr": "*i32", "out_ptr": "*fp16"},
-                             dict(BITS=4, HAS_ZP=False, HAS_G_IDX=False, TILE_IN_GROUP=True, **prefill), True))
+                             dict(BITS=4, HAS_ZP=False, HAS_G_IDX=False, TILE_IN_GROUP=True, **prefill), True, num_warps=8))
     out.append(KernelVariant("int8 sym bf16 prefill", "int_weight_matmul_kernel", "runtime.kernels.dequant_matmul",
                              {"x_ptr": "*bf16", "packed_ptr": "*i32", "scale_ptr": "*fp32", "zp_ptr": "*i32",
                               "g_idx_ptr": "*i32", "out_ptr": "*bf16"},
-                             dict(BITS=8, HAS_ZP=False, HAS_G_IDX=False, TILE_IN_GROUP=True, **prefill)))
+                             dict(BITS=8, HAS_ZP=False, HAS_G_IDX=False, TILE_IN_GROUP=True, **prefill), num_warps=8))
     return out
+
+
+def _mid_variants() -> list[KernelVariant]:
+    """The 16 < M <= 64 tiles."""
+    return [KernelVariant("int4 asym bf16 mid-M", "int_weight_matmul_kernel", "runtime.kernels.dequant_matmul",
+                          {"x_ptr": "*bf16", "packed_ptr": "*i32", "scale_ptr": "*bf16", "zp_ptr": "*i32",
+                           "g_idx_ptr": "*i32", "out_ptr": "*bf16"},
+                          dict(BITS=4, HAS_ZP=True, HAS_G_IDX=False, TILE_IN_GROUP=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64))]
 
 
 def _fp8_variants() -> list[KernelVariant]:
@@ -71,7 +85,7 @@ def _fp8_variants() -> list[KernelVariant]:
                       dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128), True),
         KernelVariant("fp8 weight fp16 prefill", k, mod,
                       {"x_ptr": "*fp16", "w_ptr": "*fp8e4nv", "scale_ptr": "*bf16", "out_ptr": "*fp16"},
-                      dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)),
+                      dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64), num_warps=8),
     ]
 
 
@@ -95,7 +109,7 @@ def _attention_variants() -> list[KernelVariant]:
         consts = dict(QPK=qpk, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=block_m, BLOCK_Q=block_m // qpk,
                       BLOCK_N=32 if d <= 128 else 16, NUM_SPLITS=splits, KV_QUANT=quant,
                       SCALE_PER_TOKEN=per_token, USE_WINDOW=window, USE_SOFTCAP=softcap)
-        out.append(KernelVariant(name, k, mod, ptrs, consts, quick))
+        out.append(KernelVariant(name, k, mod, ptrs, consts, quick, num_warps=attention_num_warps(block_m, d)))
     return out
 
 
@@ -119,7 +133,7 @@ def _store_variants() -> list[KernelVariant]:
 
 def variants() -> list[KernelVariant]:
     """Every kernel specialisation the wrappers launch, by family."""
-    return _int_variants() + _fp8_variants() + _attention_variants() + _store_variants()
+    return _int_variants() + _mid_variants() + _fp8_variants() + _attention_variants() + _store_variants()
 
 
 def kernel_names() -> dict[str, set[str]]:
@@ -150,7 +164,8 @@ def compile_variant(variant: KernelVariant) -> dict:
         else:
             signature[arg] = "fp32" if arg in FLOAT_ARGS else "i32"
     start = time.perf_counter()
-    compiled = triton.compile(ASTSource(fn, signature, variant.constexprs), target=GPUTarget(*SM90))
+    compiled = triton.compile(ASTSource(fn, signature, variant.constexprs), target=GPUTarget(*SM90),
+                              options={"num_warps": variant.num_warps})
     ptx = compiled.asm["ptx"]
     return {
         "name": variant.name,
@@ -158,8 +173,26 @@ def compile_variant(variant: KernelVariant) -> dict:
         "cubin_bytes": len(compiled.asm["cubin"]),
         "ptx_target": next((l.split()[1] for l in ptx.splitlines() if l.startswith(".target")), ""),
         "tensor_core": "mma" in ptx,
+        "shared_bytes": int(compiled.metadata.shared),
+        "num_warps": int(compiled.metadata.num_warps),
+        **resource_usage(compiled.asm["cubin"]),
         "seconds": round(time.perf_counter() - start, 2),
     }
+
+
+def resource_usage(cubin: bytes) -> dict:
+    """Registers and spill stack per thread, from the cuobjdump that ships with Triton."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", text)
+    if not found:
+        raise KvslimError(f"cuobjdump printed no resource usage: {text.strip()[:200]}")
+    return {"registers": int(found.group(1)), "spill_stack_bytes": int(found.group(2))}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         r = compile_variant(v)
         results.append(r)
-        print(f"{r['name']:<42} {r['kernel']:<26} {r['ptx_target']:<8} cubin {r['cubin_bytes']:>7} B  mma={r['tensor_core']}  {r['seconds']:.1f}s", flush=True)
+        print(f"{r['name']:<42} {r['kernel']:<26} {r['ptx_target']:<8} regs {r['registers']:>3}  stack {r['spill_stack_bytes']:>4} B  "
+              f"smem {r['shared_bytes']:>6} B  mma={r['tensor_core']!s:<5} {r['seconds']:.1f}s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

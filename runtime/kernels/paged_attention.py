@@ -149,6 +149,11 @@ def _num_splits(num_programs: int, max_q_len: int, max_context_len: int, device:
 
 
 # --------------------------------------------------------------------------- wrapper
+def attention_num_warps(block_m: int, head_dim: int) -> int:
+    """8 warps for prefill tiles of wide heads (4 spill registers there), else 4."""
+    return 8 if block_m >= 64 and head_dim >= 128 else 4
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -203,6 +208,7 @@ def paged_attention(
         QPK=qpk, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=32 if D <= 128 else 16, NUM_SPLITS=splits,
         KV_QUANT=quant, SCALE_PER_TOKEN=per_token, USE_WINDOW=window is not None, USE_SOFTCAP=softcap is not None,
+        num_warps=attention_num_warps(block_m, D),
     )
     if splits == 1:
         return out

@@ -74,7 +74,7 @@ def test_int_weight_matmul_matches_reference(device, bits, group, symmetric, act
     ref = dm.reference_int_weight_matmul(x, *int_args(t, bits))
     assert y.shape == (M, N) and y.dtype == x.dtype
     torch.testing.assert_close(ref.cpu(), x.cpu() @ dense.t(), rtol=1e-5, atol=1e-5)
-    tol = 2e-3 if device.type == "cuda" else 1e-5  # tf32 dots on GPU
+    tol = 1e-2 if device.type == "cuda" else 1e-5  # tf32 dots on GPU
     torch.testing.assert_close(y, ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
@@ -88,7 +88,7 @@ def test_fp8_weight_matmul_matches_reference(device, M, per_tensor):
     y = dm.fp8_weight_matmul(x, w, s)
     ref = dm.reference_fp8_weight_matmul(x, w, s)
     torch.testing.assert_close(ref, x @ (w.float() * s).t())
-    tol = 2e-3 if device.type == "cuda" else 1e-5
+    tol = 1e-2 if device.type == "cuda" else 1e-5
     torch.testing.assert_close(y, ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 

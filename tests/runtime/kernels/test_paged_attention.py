@@ -42,7 +42,7 @@ def test_paged_attention_matches_reference(device, H, KVH, D, kv_dtype, scales, 
     kw = dict(scale=D ** -0.5, window=window, softcap=softcap, k_scale=b.k_scale, v_scale=b.v_scale)
     out = pa.paged_attention(*b.args(), num_splits=splits, **kw)
     ref = pa.reference_paged_attention(*b.args(), **kw)
-    tol = 3e-3 if device.type == "cuda" else 1e-5  # tf32 dots on GPU
+    tol = 1e-2 if device.type == "cuda" else 1e-5  # tf32 dots on GPU
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
 
 
