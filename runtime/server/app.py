@@ -284,14 +284,17 @@ def create_app(
         yield ": stream opened\n\n"  # an SSE comment; lets the response start before the first token
         base = dict(id=rid, object="text_completion", created=created_at, model=model_name)
         offset, n_out = 0, 0
-        async for step in steps(ids, params, request, poll_disconnect=False):
-            n_out = step.completion_tokens
-            if not step.text and step.finish_reason is None and not step.logprobs:
-                continue
-            lp = completion_logprobs(step.logprobs, offset).model_dump() if req.logprobs is not None else None
-            offset += len(step.text)
-            choice = dict(index=0, text=step.text, logprobs=lp, finish_reason=step.finish_reason)
-            yield sse({**base, "choices": [choice], "usage": None})
+        try:
+            async for step in steps(ids, params, request, poll_disconnect=False):
+                n_out = step.completion_tokens
+                if not step.text and step.finish_reason is None and not step.logprobs:
+                    continue
+                lp = completion_logprobs(step.logprobs, offset).model_dump() if req.logprobs is not None else None
+                offset += len(step.text)
+                choice = dict(index=0, text=step.text, logprobs=lp, finish_reason=step.finish_reason)
+                yield sse({**base, "choices": [choice], "usage": None})
+        except Exception as e:  # headers are sent: report in-band, as OpenAI does
+            yield sse(error_body(f"generation failed: {e}", "server_error"))
         if req.include_usage:
             yield sse({**base, "choices": [], "usage": usage(len(ids), n_out).model_dump()})
         yield sse("[DONE]")
@@ -335,13 +338,16 @@ def create_app(
 
         yield chunk([ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
         n_out = 0
-        async for step in steps(ids, params, request, poll_disconnect=False):
-            n_out = step.completion_tokens
-            if not step.text and step.finish_reason is None and not step.logprobs:
-                continue
-            lp = chat_logprobs(step.logprobs) if req.logprobs else None
-            yield chunk([ChatChunkChoice(delta=DeltaMessage(content=step.text), logprobs=lp,
-                                         finish_reason=step.finish_reason)])
+        try:
+            async for step in steps(ids, params, request, poll_disconnect=False):
+                n_out = step.completion_tokens
+                if not step.text and step.finish_reason is None and not step.logprobs:
+                    continue
+                lp = chat_logprobs(step.logprobs) if req.logprobs else None
+                yield chunk([ChatChunkChoice(delta=DeltaMessage(content=step.text), logprobs=lp,
+                                             finish_reason=step.finish_reason)])
+        except Exception as e:  # headers are sent: report in-band, as OpenAI does
+            yield sse(error_body(f"generation failed: {e}", "server_error"))
         if req.include_usage:
             yield chunk([], usage(len(ids), n_out))
         yield sse("[DONE]")

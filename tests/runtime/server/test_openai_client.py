@@ -141,3 +141,19 @@ def test_metrics_report_kv_footprint_and_latencies(server, client):
     assert m["kvslim_generation_tokens_total"] >= 4
     assert m["kvslim_prompt_tokens_total"] >= 1
     assert 'kvslim_kv_blocks_total{group="0"}' in m
+
+
+def test_greedy_text_equals_the_engine_run_offline(client, tiny_chat_checkpoint):
+    """The HTTP layer adds nothing: same tokens as ``Engine.generate`` in this process."""
+    from transformers import AutoTokenizer
+
+    from runtime.engine import Engine, EngineConfig
+    from runtime.sampling import SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(tiny_chat_checkpoint)
+    prompt = tok("In 1905, Einstein published", add_special_tokens=False)["input_ids"]
+    engine = Engine.from_checkpoint(tiny_chat_checkpoint, EngineConfig(max_model_len=256, kv_cache_bytes=16 << 20))
+    [offline] = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    served = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert served.choices[0].text == tok.decode(offline.token_ids, skip_special_tokens=True)
