@@ -48,16 +48,19 @@ def sequence_attention(
     kv_heads = k.shape[1]
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
     if params.softcap is None:
-        if n == 1:  # decode: every cached key is visible (the window was applied by slicing)
-            mask = None
-        else:
+        # 4-D inputs select torch's fused CPU (flash) kernel; 3-D ones fall back to the math path.
+        mask, causal = None, False
+        if n > 1 and params.window is None and start == k_start and k.shape[0] == n:
+            causal = True
+        elif n > 1 or params.window is not None and k.shape[0] > params.window:
             q_pos = torch.arange(start, start + n)
             k_pos = torch.arange(k_start, k_start + k.shape[0])
             mask = attention_mask(q_pos, k_pos, params.window)
         out = F.scaled_dot_product_attention(
-            qh, kh, vh, attn_mask=mask, scale=params.scale, enable_gqa=heads != kv_heads
+            qh[None], kh[None], vh[None], attn_mask=mask, is_causal=causal, scale=params.scale,
+            enable_gqa=heads != kv_heads,
         )
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
     rep = heads // kv_heads
     kh = kh.repeat_interleave(rep, dim=0)
     vh = vh.repeat_interleave(rep, dim=0)

@@ -24,6 +24,7 @@ IGNORABLE = (
     re.compile(r".*\.rotary_emb\.inv_freq$"),
     re.compile(r".*\.self_attn\.[kv]_scale$"),  # KV-cache scales: read by the cache, not the weights
 )
+_READER_TENSOR = re.compile(r"model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm)\.")
 LINEAR_TENSORS = ("weight", "bias", "weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
 
 
@@ -68,8 +69,16 @@ class CheckpointWeights:
         scheme = self.spec.quant.scheme_for(name) if self.spec.quant else None
         return make_linear(name, tensors, scheme, self.dtype, self.use_cpu_kernels)
 
+    def _unused_by_design(self, name: str) -> bool:
+        """KV-cache scales, and a KV reader's own k/v projections and k_norm (it uses its source
+        layer's K/V; transformers ignores them too)."""
+        if any(p.match(name) for p in IGNORABLE):
+            return True
+        m = _READER_TENSOR.match(name)
+        return m is not None and self.spec.attention.layers[int(m.group(1))].kv_source != int(m.group(1))
+
     def check_all_used(self) -> None:
-        left = sorted(n for n in self.ckpt.names() if n not in self.used and not any(p.match(n) for p in IGNORABLE))
+        left = sorted(n for n in self.ckpt.names() if n not in self.used and not self._unused_by_design(n))
         if left:
             more = f" and {len(left) - 3} more" if len(left) > 3 else ""
             raise CheckpointError(f"{self.ckpt.path}: tensors the runtime does not understand: {', '.join(left[:3])}{more}")

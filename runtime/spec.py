@@ -188,7 +188,8 @@ class ModelSpec:
                 sandwich_norm=gemma,
                 attn_scale=scale_base**-0.5,
                 rope=_rope_per_layer(config, model_type),
-                attn_logit_softcap=_opt_float(config.get("attn_logit_softcapping")) if gemma else None,
+                # transformers' Gemma 3 attention ignores attn_logit_softcapping; so does the runtime.
+                attn_logit_softcap=None,
                 final_logit_softcap=_opt_float(config.get("final_logit_softcapping")) if gemma else None,
                 quant=QuantSpec.from_config(qc) if qc else None,
                 bos_token_id=config.get("bos_token_id"),

@@ -1,0 +1,310 @@
+"""``LLM``: load a checkpoint, generate text, score token sequences (the runtime core's front door).
+
+    llm = LLM("path/to/checkpoint", dtype="bfloat16")
+    outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
+    logits = llm.score(token_ids)               # fp32 [T, vocab], position t predicts token t + 1
+
+Requests run in waves of at most ``max_num_seqs``: each prompt is prefilled (in chunks), then the
+wave decodes together, one flattened step per token, over a ``ContiguousKVCache``. Continuous
+batching and paging are the engine's job (``runtime/engine.py``).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from compress.errors import KvslimError
+from compress.model_source import resolve_model
+from runtime.contiguous_cache import ContiguousKVCache
+from runtime.loader import live_weight_bytes, load_model, resolve_dtype
+from runtime.sampling import SamplingParams, TokenLogprob, find_stop, make_generator, sample, token_logprobs
+
+PromptInput = str | Sequence[int]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
+    cumulative_logprob: float | None  # sum of the chosen tokens' logprobs (when logprobs asked)
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    outputs: tuple[CompletionOutput, ...]
+    # Entry 0 is None (nothing predicts the first token); entry t is token t's logprob.
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+
+
+@dataclass
+class _Request:
+    index: int
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    out_ids: list[int]
+    out_logprobs: list[TokenLogprob]
+    cumulative: float = 0.0
+    text: str = ""
+    stop_text: str | None = None  # the text cut at a stop string, when one ended the request
+    finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+class LLM:
+    """A checkpoint loaded for generation and scoring.
+
+    ``checkpoint``: a directory, ``.gguf`` file or known model name (default: the default model).
+    ``dtype``: ``float32`` / ``bfloat16`` / ``float16`` activations (quantized weights stay packed).
+    ``max_model_len``: longest sequence (prompt + output), at most the config's
+    ``max_position_embeddings``.
+    """
+
+    def __init__(
+        self,
+        checkpoint: str | Path | None = None,
+        dtype: str | torch.dtype = "float32",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 32,
+        prefill_chunk: int = 1024,
+        use_cpu_kernels: bool = True,
+    ) -> None:
+        self.path = resolve_model(checkpoint)
+        self.dtype = resolve_dtype(dtype)
+        self.model = load_model(self.path, self.dtype, use_cpu_kernels=use_cpu_kernels)
+        self.spec = self.model.spec
+        limit = self.spec.max_position_embeddings
+        if max_model_len is not None and not 1 <= max_model_len <= limit:
+            raise KvslimError(f"max_model_len={max_model_len} must be in [1, {limit}] (the model's max_position_embeddings)")
+        self.max_model_len = max_model_len or limit
+        if max_num_seqs < 1 or prefill_chunk < 1:
+            raise KvslimError("max_num_seqs and prefill_chunk must be >= 1")
+        self.max_num_seqs = max_num_seqs
+        self.prefill_chunk = prefill_chunk
+        self.tokenizer = self._load_tokenizer()
+        self.eos_token_ids = frozenset(self.spec.eos_token_ids) | self._generation_eos()
+
+    # --- setup -------------------------------------------------------------------------------
+    def _load_tokenizer(self):
+        if not any((self.path / f).is_file() for f in TOKENIZER_FILES):
+            return None
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.path), trust_remote_code=False)
+
+    def _generation_eos(self) -> frozenset[int]:
+        gen = self.path / "generation_config.json"
+        if not gen.is_file():
+            return frozenset()
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        return frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+    # --- facts -------------------------------------------------------------------------------
+    def weight_bytes(self) -> int:
+        """Resident bytes of the model's weights, measured from the live tensors."""
+        return live_weight_bytes(self.model)
+
+    def kv_bytes_per_token(self, context_len: int | None = None) -> float:
+        """KV bytes per token at ``context_len`` (default: max_model_len) in this runtime's
+        cache dtype, by ``AttentionLayout.kv_bytes_per_token``."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.spec.attention.kv_bytes_per_token(context_len or self.max_model_len, elem)
+
+    # --- inputs ------------------------------------------------------------------------------
+    def _tokenize(self, prompt: PromptInput, i: int) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise KvslimError(f"prompt {i} is empty")
+            if self.tokenizer is None:
+                raise KvslimError(f"{self.path} has no tokenizer; pass token ids instead of text")
+            ids = self.tokenizer(prompt)["input_ids"]
+            return prompt, list(ids)
+        ids = list(prompt)
+        if not ids:
+            raise KvslimError(f"prompt {i} is empty")
+        if not all(isinstance(t, int) and 0 <= t < self.spec.vocab_size for t in ids):
+            raise KvslimError(f"prompt {i}: token ids must be integers in [0, {self.spec.vocab_size})")
+        return None, ids
+
+    def _check_length(self, ids: list[int], i: int) -> None:
+        if len(ids) > self.max_model_len:
+            raise KvslimError(f"prompt {i} has {len(ids)} tokens, longer than the context of {self.max_model_len}")
+
+    @staticmethod
+    def _as_list(prompts) -> list[PromptInput]:
+        if isinstance(prompts, str):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(t, int) for t in prompts):
+            return [prompts]  # one tokenized prompt
+        return prompts
+
+    # --- forward passes ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def _prefill(self, cache: ContiguousKVCache, seq_id: int, ids: list[int], want_logprobs: int | None):
+        """Run the prompt through the model in chunks; return the last position's logits and,
+        when asked, the prompt logprobs."""
+        prompt_lps: list[TokenLogprob | None] | None = [None] if want_logprobs is not None else None
+        tokens = torch.tensor(ids, dtype=torch.long)
+        last = None
+        for start in range(0, len(ids), self.prefill_chunk):
+            chunk = tokens[start:start + self.prefill_chunk]
+            positions = cache.begin_step([(seq_id, len(chunk))])
+            hidden = self.model(chunk, positions, cache)
+            if prompt_lps is not None:
+                targets = tokens[start + 1:start + 1 + len(chunk)]
+                if len(targets):
+                    logits = self.model.compute_logits(hidden[: len(targets)])
+                    prompt_lps.extend(token_logprobs(logits, targets, want_logprobs))
+            last = hidden[-1:]
+        return self.model.compute_logits(last)[0], prompt_lps
+
+    @torch.inference_mode()
+    def score(self, token_ids: Sequence[int] | Sequence[Sequence[int]]) -> torch.Tensor | list[torch.Tensor]:
+        """fp32 logits ``[T, vocab]`` for every position of a token sequence (row t predicts
+        token t + 1). A list of sequences runs as one flattened batch per chunk of sequences and
+        returns a list."""
+        single = isinstance(token_ids, str) or bool(token_ids) and all(isinstance(t, int) for t in token_ids)
+        seqs = [self._tokenize(s, i)[1] for i, s in enumerate(self._as_list(token_ids))]
+        for i, ids in enumerate(seqs):
+            self._check_length(ids, i)
+        results: list[torch.Tensor] = []
+        budget = max(self.prefill_chunk, 1)
+        i = 0
+        while i < len(seqs):
+            group = [seqs[i]]
+            while i + len(group) < len(seqs) and sum(map(len, group)) + len(seqs[i + len(group)]) <= budget:
+                group.append(seqs[i + len(group)])
+            if len(group) == 1 and len(group[0]) > budget:
+                results.append(self._score_long(group[0]))
+            else:
+                cache = ContiguousKVCache(self.spec, self.dtype)
+                for j, ids in enumerate(group):
+                    cache.add_sequence(j, len(ids))
+                positions = cache.begin_step([(j, len(ids)) for j, ids in enumerate(group)])
+                flat = torch.tensor([t for ids in group for t in ids], dtype=torch.long)
+                logits = self.model.compute_logits(self.model(flat, positions, cache))
+                results.extend(logits.split([len(ids) for ids in group]))
+            i += len(group)
+        return results[0] if single else results
+
+    def _score_long(self, ids: list[int]) -> torch.Tensor:
+        cache = ContiguousKVCache(self.spec, self.dtype)
+        cache.add_sequence(0, len(ids))
+        tokens = torch.tensor(ids, dtype=torch.long)
+        out = []
+        for start in range(0, len(ids), self.prefill_chunk):
+            chunk = tokens[start:start + self.prefill_chunk]
+            positions = cache.begin_step([(0, len(chunk))])
+            out.append(self.model.compute_logits(self.model(chunk, positions, cache)))
+        return torch.cat(out)
+
+    # --- generation --------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Continue each prompt (text, or a list of token ids); one ``RequestOutput`` per prompt,
+        in order."""
+        prompts = self._as_list(prompts)
+        if not prompts:
+            raise KvslimError("no prompts given")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise KvslimError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        requests = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            if not isinstance(p, SamplingParams):
+                raise KvslimError(f"sampling params {i} is a {type(p).__name__}, not SamplingParams")
+            if p.stop and self.tokenizer is None:
+                raise KvslimError("stop strings need a tokenizer; this checkpoint has none")
+            text, ids = self._tokenize(prompt, i)
+            self._check_length(ids, i)
+            requests.append(_Request(i, text, ids, p, make_generator(p), [], []))
+        for w in range(0, len(requests), self.max_num_seqs):
+            self._run_wave(requests[w:w + self.max_num_seqs])
+        return [self._output(r) for r in requests]
+
+    @torch.inference_mode()
+    def _run_wave(self, wave: list[_Request]) -> None:
+        cache = ContiguousKVCache(self.spec, self.dtype)
+        running: list[_Request] = []
+        for r in wave:
+            total = min(len(r.prompt_ids) + r.params.max_tokens, self.max_model_len)
+            cache.add_sequence(r.index, total)
+            logits, r.prompt_logprobs = self._prefill(cache, r.index, r.prompt_ids, r.params.prompt_logprobs)
+            self._accept(r, logits[None])
+            if r.finish_reason is None:
+                running.append(r)
+            else:
+                cache.free(r.index)
+        while running:
+            positions = cache.begin_step([(r.index, 1) for r in running])
+            ids = torch.tensor([r.out_ids[-1] for r in running], dtype=torch.long)
+            logits = self.model.compute_logits(self.model(ids, positions, cache))
+            self._accept_batch(running, logits)
+            for r in running:
+                if r.finish_reason is not None:
+                    cache.free(r.index)
+            running = [r for r in running if r.finish_reason is None]
+
+    def _accept(self, r: _Request, logits: torch.Tensor) -> None:
+        self._accept_batch([r], logits)
+
+    def _accept_batch(self, reqs: list[_Request], logits: torch.Tensor) -> None:
+        tokens, lps = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        for r, tok, lp in zip(reqs, tokens, lps):
+            r.out_ids.append(tok)
+            if lp is not None:
+                r.out_logprobs.append(lp)
+                r.cumulative += lp.logprob
+            self._check_finished(r, tok)
+
+    def _check_finished(self, r: _Request, tok: int) -> None:
+        p = r.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+            r.finish_reason = "stop"
+        elif p.stop:
+            before = len(r.text)
+            r.text = self.tokenizer.decode(r.out_ids, skip_special_tokens=True)
+            hit = find_stop(r.text, p.stop, max(0, before - max(map(len, p.stop))))
+            if hit is not None:
+                j, s = hit
+                r.stop_text = r.text[: j + len(s)] if p.include_stop_str_in_output else r.text[:j]
+                r.finish_reason = "stop"
+                return
+        if r.finish_reason is None and (
+            len(r.out_ids) >= p.max_tokens or len(r.prompt_ids) + len(r.out_ids) >= self.max_model_len
+        ):
+            r.finish_reason = "length"
+
+    def _output(self, r: _Request) -> RequestOutput:
+        text = r.stop_text
+        if text is None:
+            text = self.tokenizer.decode(r.out_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        completion = CompletionOutput(
+            text=text,
+            token_ids=tuple(r.out_ids),
+            finish_reason=r.finish_reason or "length",
+            cumulative_logprob=r.cumulative if r.params.logprobs is not None else None,
+            logprobs=tuple(r.out_logprobs) if r.params.logprobs is not None else None,
+        )
+        return RequestOutput(
+            prompt=r.prompt,
+            prompt_token_ids=tuple(r.prompt_ids),
+            outputs=(completion,),
+            prompt_logprobs=tuple(r.prompt_logprobs) if r.prompt_logprobs is not None else None,
+        )
