@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-EXAMPLES = 60
+EXAMPLES = 40
 ANY_JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
@@ -100,7 +100,7 @@ def test_schema_fuzz_never_5xx(server, openapi, path):
     assert server.wait_idle()['kvslim_kv_blocks_in_use{group="0"}'] == 0
 
 
-@settings(max_examples=40, deadline=None, derandomize=True,
+@settings(max_examples=30, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(raw=st.binary(max_size=64), path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/models",
                                                           "/metrics", "/health", "/v1/../etc/passwd", "/%2e%2e/x"]),
