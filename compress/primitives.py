@@ -58,10 +58,7 @@ def compute_qparams(
     ``zero_point`` (int8, same shape) for asymmetric schemes, else ``None``.
     """
     grouped = _grouped(weight, scheme)
-    zeros = torch.zeros((), dtype=weight.dtype)
-    min_vals = torch.minimum(grouped.amin(dim=-1), zeros)
-    max_vals = torch.maximum(grouped.amax(dim=-1), zeros)
-    return qparams_from_range(min_vals, max_vals, scheme)
+    return qparams_from_range(grouped.amin(dim=-1), grouped.amax(dim=-1), scheme)
 
 
 def qparams_from_range(
