@@ -127,11 +127,14 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # --- prefix cache --------------------------------------------------------------------------
+    def no_hit(self) -> PrefixHit:
+        return PrefixHit(0, tuple(() for _ in self.pools), ())
+
     def lookup_prefix(self, token_ids: Sequence[int]) -> PrefixHit:
         """Longest run of cached full blocks at the start of ``token_ids`` (never all of it:
         the last token is always recomputed so the step yields logits)."""
         if not self.prefix_caching:
-            return PrefixHit(0, tuple(() for _ in self.pools), ())
+            return self.no_hit()
         max_blocks = (len(token_ids) - 1) // self.block_size
         hashes = chain_hashes(token_ids, self.block_size, max_blocks)
         blocks: list[list[int]] = [[] for _ in self.pools]

@@ -34,11 +34,7 @@ class ScheduledSeq:
     seq: Sequence
     first_position: int  # position of the first new token (= tokens already cached)
     num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """This chunk reaches the sequence's last token, so the step samples its next token."""
-        return self.first_position + self.num_new_tokens == self.seq.num_tokens
+    samples: bool  # the chunk reaches the sequence's last token: the step samples its next one
 
 
 @dataclass
@@ -105,7 +101,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSeq(seq, start, n))
+                out.scheduled.append(ScheduledSeq(seq, start, n, start + n == seq.num_tokens))
                 budget -= n
                 i += 1
                 continue
@@ -114,7 +110,7 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            hit = self.bm.lookup_prefix(seq.token_ids)
+            hit = self.bm.lookup_prefix(seq.token_ids) if seq.use_prefix_cache else self.bm.no_hit()
             n = min(seq.num_tokens - hit.num_tokens, budget)
             if not self.bm.allocate(seq.seq_id, hit, hit.num_tokens + n):
                 break
@@ -124,7 +120,7 @@ class Scheduler:
             seq.num_computed_tokens = seq.num_cached_tokens = hit.num_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, hit.num_tokens, n))
+            out.scheduled.append(ScheduledSeq(seq, hit.num_tokens, n, hit.num_tokens + n == seq.num_tokens))
             budget -= n
         return out
 

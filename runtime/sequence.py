@@ -31,6 +31,7 @@ class Sequence:
     max_tokens: int
     stop_token_ids: frozenset[int] = frozenset()
     sampling: Any = None  # the sampler's SamplingParams, opaque to the scheduler
+    use_prefix_cache: bool = True
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[Any] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -111,7 +111,12 @@ def paged_attention(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+    max_context_len: int | None = None,
 ) -> torch.Tensor:
-    """Attention of the step's tokens over their paged context (see ``paged_attention``)."""
-    fn = pa.paged_attention if _on_cuda(q) else pa.reference_paged_attention
-    return fn(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, window, softcap, k_scale, v_scale)
+    """Attention of the step's tokens over their paged context (see ``paged_attention``).
+    The host-side maxima spare the Triton path a device sync."""
+    args = (q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, window, softcap, k_scale, v_scale)
+    if _on_cuda(q):
+        return pa.paged_attention(*args, max_query_len=max_query_len, max_context_len=max_context_len)
+    return pa.reference_paged_attention(*args)

@@ -1,0 +1,322 @@
+"""The serving engine: ``step()`` = schedule -> run the decoder on the paged cache -> postprocess.
+
+    engine = Engine.from_checkpoint("smollm2", EngineConfig(kv_dtype="fp8_e4m3"))
+    outputs = engine.generate([prompt_ids, ...], SamplingParams(max_tokens=64))  # like LLM.generate
+    for out in engine.stream([prompt_ids], params):   # incremental RequestOutputs as tokens come
+        ...
+
+The scheduler decides which sequences run and how many tokens each (continuous batching,
+chunked prefill, preemption); the block manager owns the block tables; this file turns a
+``SchedulerOutput`` into one flattened decoder call and samples the sequences that reached
+their last token. ``runtime/async_engine.py`` drives it from its own thread for the server.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence as Seq
+
+import torch
+
+from attention_variants.layout import AttentionLayout
+from compress.checkpoint import Checkpoint
+from compress.errors import KvslimError
+from runtime.block_manager import BlockManager
+from runtime.kv_cache import KVCache, KVCacheSpec
+from runtime.models.decoder import Decoder
+from runtime.paged_backend import PagedAttentionBackend, PagedBatch
+from runtime.sampling import SamplingParams, TokenLogprob, make_generator, sample, token_logprobs
+from runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from runtime.sequence import Sequence
+
+MODEL_KV_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine knobs. ``kv_dtype``: fp32 | bf16 | fp16 | fp8_e4m3 | int8, or None for the model
+    dtype (or the checkpoint's ``kv_cache_scheme``). ``kv_cache_bytes`` sizes the block pools."""
+
+    dtype: str = "float32"
+    kv_dtype: str | None = None
+    block_size: int = 16
+    kv_cache_bytes: int = 512 * MIB
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None: min(model's max_position_embeddings, 4096)
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step: generated tokens so far and, when finished, why."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprob] | None  # one per generated token, when params.logprobs is set
+    finished: bool
+    finish_reason: str | None  # "stop" (EOS / stop token), "length" or "abort"
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    # Entry 0 is None (nothing predicts the first token); entry t is token t's logprob.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens_computed: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+
+
+def kv_layer_scales(ckpt: Checkpoint, owners: Iterable[int]) -> dict[int, tuple[float, float]] | None:
+    """Per-layer ``self_attn.k_scale`` / ``v_scale`` from the checkpoint, or None if absent."""
+    names = {i: (f"model.layers.{i}.self_attn.k_scale", f"model.layers.{i}.self_attn.v_scale") for i in owners}
+    present = [ckpt.has(k) and ckpt.has(v) for k, v in names.values()]
+    if not any(present):
+        return None
+    if not all(present):
+        raise KvslimError(f"{ckpt.path}: some cache-owning layers have KV scales and some do not")
+    return {i: (float(ckpt.get(k).float().max()), float(ckpt.get(v).float().max())) for i, (k, v) in names.items()}
+
+
+def kv_dtype_from_scheme(scheme: dict | None) -> str | None:
+    """``quantization_config.kv_cache_scheme`` -> our KV dtype name (None when absent)."""
+    if not scheme:
+        return None
+    kind = (scheme.get("type"), int(scheme.get("num_bits", 0)))
+    if kind == ("float", 8):
+        return "fp8_e4m3"
+    if kind == ("int", 8):
+        return "int8"
+    raise KvslimError(f"kv_cache_scheme {scheme} is not supported (8-bit float or int only)")
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Decoder,
+        config: EngineConfig = EngineConfig(),
+        layer_scales: dict[int, tuple[float, float]] | None = None,
+        kv_dtype_default: str | None = None,
+        eos_token_ids: Seq[int] = (),
+    ):
+        self.model = model
+        self.config = config
+        spec = model.spec
+        layout: AttentionLayout = spec.attention
+        kv_dtype = config.kv_dtype or kv_dtype_default or MODEL_KV_DTYPES[model.dtype]
+        static = layer_scales is not None and kv_dtype in ("fp8_e4m3", "int8")
+        self.kv_spec = KVCacheSpec.from_layout(layout, kv_dtype, config.block_size, static_scales=static)
+        self.max_model_len = config.max_model_len or min(spec.max_position_embeddings, 4096)
+        num_blocks = self.kv_spec.plan_num_blocks(config.kv_cache_bytes, self.max_model_len)
+        chunk = config.max_num_batched_tokens
+        for g, grp in enumerate(self.kv_spec.groups):
+            # A lone sequence must always fit: max_model_len tokens (full), or a window plus a chunk.
+            window_need = None if grp.window is None else -(-(grp.window + chunk + 2 * config.block_size) // config.block_size)
+            need = min(x for x in (-(-self.max_model_len // config.block_size), window_need) if x is not None)
+            if num_blocks[g] < need:
+                raise KvslimError(
+                    f"KV cache of {config.kv_cache_bytes / MIB:.0f} MiB holds {num_blocks[g]} blocks in group {g}; "
+                    f"one sequence of max_model_len={self.max_model_len} needs {need}: raise kv_cache_bytes "
+                    "or lower max_model_len"
+                )
+        self.cache = KVCache(self.kv_spec, num_blocks, layer_scales=layer_scales if static else None)
+        self.backend = PagedAttentionBackend(self.cache, [spec.attention_params(i) for i in range(spec.num_layers)])
+        self.block_manager = BlockManager(num_blocks, config.block_size, self.kv_spec.windows, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.block_manager
+        )
+        self.eos_token_ids = frozenset(eos_token_ids or spec.eos_token_ids)
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        self._sent: dict[int, int] = {}  # tokens already reported per request
+        self._generators: dict[int, torch.Generator | None] = {}
+        self._prompt_logprobs: dict[int, list[TokenLogprob | None]] = {}
+
+    @classmethod
+    def from_checkpoint(cls, model: str | Path, config: EngineConfig = EngineConfig()) -> "Engine":
+        """Load ``model`` (a name ``resolve_model`` knows, or a checkpoint dir) and build an engine."""
+        from compress.model_source import resolve_model
+        from runtime.loader import load_model
+
+        path = resolve_model(str(model))
+        decoder = load_model(path, config.dtype)
+        ckpt = Checkpoint.open(path)
+        qc = ckpt.config.get("quantization_config") or {}
+        scales = kv_layer_scales(ckpt, decoder.spec.attention.cache_owners())
+        gen = path / "generation_config.json"
+        eos = json.loads(gen.read_text()).get("eos_token_id") if gen.exists() else None
+        eos_ids = ([eos] if isinstance(eos, int) else list(eos or ()))
+        return cls(decoder, config, scales, kv_dtype_from_scheme(qc.get("kv_cache_scheme")),
+                   eos_ids + list(decoder.spec.eos_token_ids))
+
+    # --- requests ------------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams | None = None) -> int:
+        params = params or SamplingParams()
+        rid = next(self._ids)
+        stop = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop |= self.eos_token_ids
+        ids = [int(t) for t in prompt_token_ids]
+        vocab = self.model.spec.vocab_size
+        if not all(0 <= t < vocab for t in ids):
+            raise KvslimError(f"token ids must be in [0, {vocab})")
+        # Prompt logprobs need every prompt position computed, so such requests skip the prefix cache.
+        seq = Sequence(rid, ids, params.max_tokens, frozenset(stop), params,
+                       use_prefix_cache=params.prompt_logprobs is None)
+        self.scheduler.add(seq)
+        self._sent[rid] = 0
+        self._generators[rid] = make_generator(params)
+        if params.prompt_logprobs is not None:
+            self._prompt_logprobs[rid] = [None]
+        return rid
+
+    def abort(self, request_id: int) -> RequestOutput | None:
+        seq = self.scheduler.abort(request_id)
+        return self._output(seq) if seq is not None else None
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # --- one step ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one decoder call, sample, postprocess. Returns outputs of the requests
+        that produced a token (or finished) this step."""
+        out = self.scheduler.schedule()
+        self.stats.preemptions += len(out.preempted)
+        if not out.scheduled:
+            if out.preempted:
+                return []
+            if self.scheduler.has_unfinished:
+                raise KvslimError("no request fits in the KV cache (raise kv_cache_bytes or lower max_model_len)")
+            return []
+        sampled = self._run(out)
+        self.scheduler.postprocess(out, sampled)  # frees finished requests' blocks
+        self.stats.steps += 1
+        return [self._output(s.seq) for s in out.scheduled if s.samples]
+
+    def _run(self, out: SchedulerOutput) -> dict[int, int]:
+        sched = out.scheduled
+        ids: list[int] = []
+        for s in sched:
+            ids.extend(s.seq.token_ids[s.first_position:s.first_position + s.num_new_tokens])
+            if s.first_position < s.seq.num_prompt_tokens:
+                self.stats.prompt_tokens_computed += min(s.num_new_tokens, s.seq.num_prompt_tokens - s.first_position)
+        batch = PagedBatch.build(
+            self.config.block_size,
+            [s.first_position for s in sched],
+            [s.num_new_tokens for s in sched],
+            [self.block_manager.block_tables(s.seq.seq_id) for s in sched],
+        )
+        self.backend.set_batch(batch)
+        hidden = self.model(torch.tensor(ids, dtype=torch.long), batch.positions, self.backend)
+        starts = batch.query_start_loc.tolist()
+        for i, s in enumerate(sched):
+            if s.seq.seq_id in self._prompt_logprobs:
+                self._score_prompt(s.seq, s.first_position, hidden[starts[i]:starts[i + 1]])
+        rows = [i for i, s in enumerate(sched) if s.samples]
+        if not rows:
+            return {}
+        logits = self.model.compute_logits(hidden[[starts[i + 1] - 1 for i in rows]])
+        seqs = [sched[i].seq for i in rows]
+        tokens, logprobs = sample(logits, [q.sampling for q in seqs], [self._generators[q.seq_id] for q in seqs])
+        sampled = {}
+        for seq, tok, lp in zip(seqs, tokens, logprobs):
+            sampled[seq.seq_id] = tok
+            if lp is not None:
+                seq.output_logprobs.append(lp)
+        self.stats.generated_tokens += len(seqs)
+        return sampled
+
+    def _score_prompt(self, seq: Sequence, first: int, hidden: torch.Tensor) -> None:
+        """Append the logprobs of the prompt tokens this chunk's rows predict (once each)."""
+        lps = self._prompt_logprobs[seq.seq_id]
+        lo = len(lps) - 1 - first  # first row whose target has no logprob yet (recompute skips)
+        hi = min(hidden.shape[0], seq.num_prompt_tokens - 1 - first)
+        if hi > lo:
+            targets = torch.tensor(seq.prompt_token_ids[first + lo + 1:first + hi + 1], dtype=torch.long)
+            lps.extend(token_logprobs(self.model.compute_logits(hidden[lo:hi]), targets, seq.sampling.prompt_logprobs))
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        sent = self._sent.get(seq.seq_id, 0)
+        self._sent[seq.seq_id] = len(seq.output_token_ids)
+        prompt_lps = self._prompt_logprobs.get(seq.seq_id)
+        if seq.is_finished:
+            for d in (self._sent, self._generators, self._prompt_logprobs):
+                d.pop(seq.seq_id, None)
+        return RequestOutput(
+            request_id=seq.seq_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            new_token_ids=seq.output_token_ids[sent:],
+            logprobs=list(seq.output_logprobs) if seq.sampling.logprobs is not None else None,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.num_cached_tokens,
+            prompt_logprobs=list(prompt_lps) if prompt_lps is not None else None,
+        )
+
+    @torch.inference_mode()
+    def score(self, token_ids: Seq[int]) -> torch.Tensor:
+        """fp32 logits ``[T, vocab]`` of every position of one sequence, computed through the
+        paged cache (chunks of ``max_num_batched_tokens``, so quantized KV is read back as
+        served). Call between steps; the sequence's blocks are freed before returning."""
+        ids = [int(t) for t in token_ids]
+        if not 0 < len(ids) <= self.max_model_len:
+            raise KvslimError(f"score needs 1..{self.max_model_len} tokens, got {len(ids)}")
+        sid = -1 - next(self._ids)  # never collides with request ids
+        chunk = self.config.max_num_batched_tokens
+        bm = self.block_manager
+        if not bm.allocate(sid, bm.no_hit(), min(chunk, len(ids))):
+            raise KvslimError("score: no free KV blocks (the engine is busy)")
+        out = []
+        try:
+            for start in range(0, len(ids), chunk):
+                n = min(chunk, len(ids) - start)
+                bm.release_window(sid, start)
+                if not bm.append(sid, start, start + n):
+                    raise KvslimError("score: no free KV blocks (the engine is busy)")
+                batch = PagedBatch.build(self.config.block_size, [start], [n], [bm.block_tables(sid)])
+                self.backend.set_batch(batch)
+                hidden = self.model(torch.tensor(ids[start:start + n], dtype=torch.long), batch.positions, self.backend)
+                out.append(self.model.compute_logits(hidden))
+        finally:
+            bm.free(sid)
+        return torch.cat(out)
+
+    # --- offline API ---------------------------------------------------------------------------
+    def stream(
+        self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None
+    ) -> Iterator[RequestOutput]:
+        """Add ``prompts`` and step until they finish, yielding each request's output whenever
+        it gains a token. Requests already in the engine keep running alongside."""
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise KvslimError(f"{len(plist)} sampling params for {len(prompts)} prompts")
+        mine = {self.add_request(p, sp) for p, sp in zip(prompts, plist)}
+        done: set[int] = set()
+        try:
+            while done != mine and self.has_unfinished:
+                for o in self.step():
+                    if o.request_id in mine:
+                        if o.finished:
+                            done.add(o.request_id)
+                        yield o
+        finally:
+            for rid in mine - done:  # the caller stopped early: free their blocks
+                self.abort(rid)
+
+    def generate(
+        self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        """Final outputs, in prompt order (``LLM.generate`` semantics)."""
+        final = {o.request_id: o for o in self.stream(prompts, params) if o.finished}
+        return [final[r] for r in sorted(final)]  # request ids grow in prompt order

@@ -1,0 +1,158 @@
+"""The engine against the runtime core (``LLM`` over a contiguous cache), on tiny random models:
+the same tokens up to the first near-tie and logprobs within tolerance, alone and in batches,
+with chunked prefill, prefix hits, preemption, sliding windows and shared KV."""
+import pytest
+import torch
+
+from runtime.engine import Engine, EngineConfig
+from runtime.llm import LLM
+from runtime.loader import load_model
+from runtime.sampling import SamplingParams
+from tests.tiny_models import make_tiny_checkpoint
+
+LP_TOL = 1e-4  # fp32 both sides; only the summation order differs
+TIE = 1e-3  # tokens may differ only where the core's top-2 logprobs are this close
+
+
+def assert_same(engine_out, core_out, tol=LP_TOL):
+    comp = core_out.outputs[0]
+    for t, (a, b) in enumerate(zip(engine_out.token_ids, comp.token_ids)):
+        le, lc = engine_out.logprobs[t], comp.logprobs[t]
+        top_core = dict(lc.top)
+        for tok, lp in le.top:  # the engine's top-k, valued by the core at the same position
+            if tok in top_core:
+                assert abs(lp - top_core[tok]) < tol, (t, tok, lp, top_core[tok])
+        if a != b:
+            assert lc.top[0][1] - lc.top[1][1] < TIE, f"tokens differ at {t} without a near-tie"
+            return
+    assert engine_out.token_ids == list(comp.token_ids)
+    assert engine_out.finish_reason == comp.finish_reason
+
+
+def prompts(n, seed=0, lo=1, hi=60, prefix=()):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [list(prefix) + torch.randint(3, 512, (k,), generator=g).tolist() for k in lens]
+
+
+@pytest.fixture(scope="module")
+def kv_shared_checkpoint(tmp_path_factory):
+    # KV sharing + sliding + full in one model: layer 1 reads 0, layer 3 reads 2.
+    from safetensors.torch import load_file, save_file
+
+    path = make_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny_share") / "m", "qwen3",
+        sliding_window=8, layer_types=["sliding_attention"] * 2 + ["full_attention"] * 2,
+        kv_source_layers=[0, 0, 2, 2], use_sliding_window=True,
+    )
+    shard = path / "model.safetensors"
+    tensors = load_file(shard)
+    readers = ("model.layers.1.", "model.layers.3.")
+    kv = (".k_proj.", ".v_proj.", ".k_norm.")
+    save_file({k: v for k, v in tensors.items() if not (k.startswith(readers) and any(s in k for s in kv))},
+              shard, metadata={"format": "pt"})
+    return path
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])  # full / sliding+full; the rest below
+def test_batch_of_16_matches_core(tiny_checkpoints, arch):
+    path = tiny_checkpoints[arch]
+    core = LLM(path, max_model_len=128)
+    engine = Engine(core.model, EngineConfig(block_size=4, max_num_batched_tokens=48, max_model_len=128,
+                                             kv_cache_bytes=4 << 20))
+    ps = prompts(16, seed=1, hi=40)
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=3, ignore_eos=True)
+    eng = engine.generate(ps, params)
+    ref = core.generate(ps, params)
+    for e, r in zip(eng, ref):
+        assert_same(e, r)
+    alone = engine.generate([ps[5]], params)[0]  # the same request alone
+    assert_same(alone, ref[5])
+    assert all(p.num_free == p.num_blocks for p in engine.block_manager.pools)
+
+
+def test_kv_sharing_model_matches_core(kv_shared_checkpoint):
+    core = LLM(kv_shared_checkpoint, max_model_len=128)
+    engine = Engine(core.model, EngineConfig(block_size=4, max_num_batched_tokens=16, max_model_len=128,
+                                             kv_cache_bytes=1 << 20))
+    assert [len(g.layers) for g in engine.kv_spec.groups] == [1, 1]  # two owners, two windows
+    ps = prompts(8, seed=2, hi=40)
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=3, ignore_eos=True)
+    for e, r in zip(engine.generate(ps, params), core.generate(ps, params)):
+        assert_same(e, r)
+
+
+def test_prefix_hits_and_preemption_keep_outputs(tiny_llama):
+    core = LLM(tiny_llama, max_model_len=96)
+    system = torch.arange(100, 140).tolist()  # a 40-token shared "system prompt"
+    ps = prompts(16, seed=3, lo=1, hi=20, prefix=system)
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=3, ignore_eos=True)
+    ref = core.generate(ps, params)
+    # 24 blocks of 4 tokens: room for a few sequences only, so the scheduler must preempt.
+    engine = Engine(core.model, EngineConfig(block_size=4, max_num_batched_tokens=64, max_model_len=96,
+                                             kv_cache_bytes=24 * 4 * 4 * 2 * 2 * 32 * 4))
+    assert engine.cache.num_blocks == (24,)
+    out = engine.generate(ps, params)
+    assert engine.stats.preemptions > 0
+    assert engine.block_manager.prefix_hit_rate > 0.3
+    assert any(o.num_cached_tokens >= 40 for o in out)
+    for e, r in zip(out, ref):
+        assert_same(e, r)
+    assert engine.block_manager.pools[0].num_free == 24
+
+
+def test_streaming_abort_and_prompt_logprobs(tiny_llama):
+    core = LLM(tiny_llama, max_model_len=128)
+    engine = Engine(core.model, EngineConfig(block_size=4, max_num_batched_tokens=8, max_model_len=128,
+                                             kv_cache_bytes=2 << 20))
+    p = prompts(1, seed=4, lo=20, hi=21)[0]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    pieces, final = [], None
+    for o in engine.stream([p], params):
+        pieces.extend(o.new_token_ids)
+        final = o
+    ref = core.generate([p], params)[0]
+    assert pieces == final.token_ids == list(ref.outputs[0].token_ids)
+    assert final.prompt_logprobs[0] is None and len(final.prompt_logprobs) == len(p)
+    for a, b in zip(final.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
+        assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < LP_TOL
+    # Abort: stop consuming a stream early; its blocks come back.
+    it = engine.stream(prompts(3, seed=5), SamplingParams(max_tokens=50, ignore_eos=True))
+    next(it)
+    it.close()
+    assert not engine.has_unfinished
+    assert all(pool.num_free == pool.num_blocks for pool in engine.block_manager.pools)
+
+
+def test_score_matches_core(tiny_checkpoints):
+    core = LLM(tiny_checkpoints["gemma3_text"], max_model_len=128)
+    engine = Engine(core.model, EngineConfig(block_size=4, max_num_batched_tokens=16, max_model_len=128,
+                                             kv_cache_bytes=2 << 20))
+    ids = prompts(1, seed=6, lo=100, hi=101)[0]
+    torch.testing.assert_close(engine.score(ids), core.score(ids), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype,max_mean_err", [("int8", 0.02), ("fp8_e4m3", 0.05), ("bf16", 0.02)])
+def test_quantized_kv_stays_close(tiny_llama, kv_dtype, max_mean_err):
+    model = load_model(tiny_llama, "float32")
+    ids = prompts(1, seed=7, lo=120, hi=121)[0]
+    cfg = dict(block_size=4, max_num_batched_tokens=32, max_model_len=128, kv_cache_bytes=2 << 20)
+    ref = torch.log_softmax(Engine(model, EngineConfig(**cfg)).score(ids), -1)
+    got = torch.log_softmax(Engine(model, EngineConfig(kv_dtype=kv_dtype, **cfg)).score(ids), -1)
+    err = (got.exp() * (got - ref)).sum(-1).mean()  # KL(quantized || fp32) per position
+    assert 0 < err < max_mean_err
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.2  # away from near-ties the greedy token is unchanged
+    assert (got.argmax(-1) == ref.argmax(-1))[clear].all()
+
+
+def test_bad_requests(tiny_llama):
+    engine = Engine(load_model(tiny_llama), EngineConfig(block_size=4, max_model_len=64, kv_cache_bytes=1 << 20))
+    from compress.errors import KvslimError
+
+    with pytest.raises(KvslimError, match="max_model_len"):
+        engine.add_request(list(range(64)))
+    with pytest.raises(KvslimError, match="token ids"):
+        engine.add_request([1, 999999])
+    with pytest.raises(KvslimError, match="kv_cache_bytes"):
+        Engine(load_model(tiny_llama), EngineConfig(block_size=4, max_model_len=512, kv_cache_bytes=1 << 14))
