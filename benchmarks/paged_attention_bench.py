@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, w
 # (name, heads, kv heads, head dim)
 HEAD_LAYOUTS = [("smollm2-135m", 9, 3, 64), ("llama-8b-sized", 32, 8, 128), ("mqa-d128", 32, 1, 128)]
 KV_TYPES = ["bf16", "fp8/token", "int8/token", "fp8/layer"]
-BATCHES = [1, 8, 32, 128]
-CONTEXTS = [512, 2048, 8192]
+BATCHES = [1, 16, 64]
+CONTEXTS = [512, 4096]
 BLOCK_SIZE = 16
 MAX_ERR = 2e-2  # fixed before measuring: bf16 output vs the fp32 reference, absolute
 
@@ -90,7 +90,7 @@ class Timer:
             return (time.perf_counter() - start) * 1e3
         import triton.testing
 
-        return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
+        return float(triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,6 @@ from compress.errors import KvslimError
 from runtime.attention_backend import reference_attention
 from runtime.kernels.kv_store import check_kv_cache, check_kv_scales, reference_dequantize_kv
 
-LOG2E = 1.4426950408889634
 SPLIT_MIN_TOKENS = 256  # a decode split covers at least this many cached tokens
 
 
@@ -105,7 +104,7 @@ def paged_attention_kernel(
         allowed = row_ok[:, None] & j_ok[None, :] & (offs_j[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             allowed = allowed & (q_pos[:, None] - offs_j[None, :] < window)
-        s = tl.where(allowed, s * 1.4426950408889634, float("-inf"))
+        s = tl.where(allowed, s * 1.4426950408889634, float("-inf"))  # log2(e): softmax in base 2
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
