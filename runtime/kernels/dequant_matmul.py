@@ -286,10 +286,15 @@ def fp8_weight_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
 
 
 def quantize_activation_per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token FP8: ``(x_fp8 [M, K], scale fp32 [M, 1])`` with ``x ~ x_fp8 * scale``."""
-    amax = x.abs().amax(dim=-1, keepdim=True).float()
-    scale = torch.clamp(amax, min=1e-12) / FP8_MAX
-    x_q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    """Dynamic per-token FP8: ``(x_fp8 [M, K], scale fp32 [M, 1])`` with ``x ~ x_fp8 * scale``.
+
+    As compressed-tensors' dynamic ``token`` strategy (and the CPU runtime's
+    ``fake_quantize_fp8_per_token``): ``scale = amax / 448`` (fp32 eps for an all-zero row),
+    rounded to x's dtype."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX
+    scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale).to(x.dtype).float()
+    x_q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return x_q, scale
 
 

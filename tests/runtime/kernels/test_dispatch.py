@@ -56,3 +56,32 @@ def test_attention_and_store_cpu_paths():
     k = torch.randn(1, 2, 16)
     dispatch.store_kv(k, k, b.k_cache, b.v_cache, torch.tensor([0]), b.k_scale, b.v_scale)
     assert b.k_scale[0, 0].tolist() == (k[0].abs().amax(-1) / 127).tolist()
+
+
+@pytest.mark.parametrize("scheme", [schemes.W4A16, schemes.W4A16_ASYM, schemes.W8A16, schemes.FP8_DYNAMIC])
+def test_quantized_linear_agrees_with_the_runtime_layers(scheme):
+    """Same numbers as the runtime core's dequantize-per-forward Linear (its numerical reference)."""
+    from runtime.layers.linear import make_linear
+
+    w = torch.randn(32, 128)
+    scale, zp = primitives.compute_qparams(w, scheme)
+    tensors = primitives.encode_linear(primitives.quantize(w, scale, zp, scheme), scale, zp, scheme)
+    layer = make_linear("proj", tensors, scheme, torch.bfloat16, use_cpu_kernels=False)
+    x = torch.randn(4, 128, dtype=torch.bfloat16)
+    ours = dispatch.quantized_linear(x, dispatch.WeightScheme.from_config_group(scheme.to_config_group()), tensors)
+    # ours accumulates in fp32 from fp32 weights; the layer multiplies bf16 weights in bf16
+    torch.testing.assert_close(ours.float(), layer(x).float(), rtol=2e-2, atol=2e-2 * ours.float().abs().max().item())
+
+
+@pytest.mark.parametrize("scheme", [schemes.W4A16_ASYM, schemes.FP8_DYNAMIC])
+def test_kernel_linear_module(device, scheme):
+    from runtime.kernels.kernel_linear import KernelLinear
+
+    w = torch.randn(32, 128)
+    scale, zp = primitives.compute_qparams(w, scheme)
+    tensors = primitives.encode_linear(primitives.quantize(w, scale, zp, scheme), scale, zp, scheme)
+    layer = KernelLinear(tensors, scheme, bias=torch.ones(32)).to(device)
+    dtype = torch.bfloat16 if scheme.input_activations or device.type == "cuda" else torch.float32
+    x = torch.randn(3, 128, dtype=dtype, device=device)
+    expected = dispatch.quantized_linear(x.cpu(), dispatch.WeightScheme.from_config_group(scheme.to_config_group()), tensors) + 1
+    torch.testing.assert_close(layer(x).cpu().float(), expected.float(), rtol=2e-2, atol=2e-2 * expected.float().abs().max().item())
