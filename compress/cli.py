@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "inspect": "describe a checkpoint: layout, scheme, bytes, KV per token, vLLM kernel fit",
     "generate": "continue a prompt with the kvslim runtime (--stats: weight and KV bytes)",
     "convert": "rewrite attention: MQA/GQA, cross-layer KV sharing, hybrid sliding window",
+    "heal": "distil the original model into a converted one (recover quality)",
     "serve": "serve a checkpoint over an OpenAI-compatible HTTP API (streaming, /metrics)",
     "bench": "benchmarks: `bench serve` load-tests a running server (TTFT, TPOT, ITL, tok/s)",
     "eval": "lm-eval tasks + perplexity on the offline pack; --baseline applies recovery gates",

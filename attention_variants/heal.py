@@ -1,0 +1,305 @@
+"""Healing: short distillation from the original model into a converted one.
+
+The student (a `compress convert` output) learns to match the teacher's (the original model's)
+next-token distributions, KL(teacher || student) on every position, over real text disjoint
+from evaluation text (``wikipedia:heal`` by default). By default only the attention projections
+of the layers whose attention the rewrite changed are trained; everything else stays
+bit-identical. Training state (trainable tensors, AdamW moments, step) is saved as safetensors
+next to the output every ``save_every`` steps and on interrupt; rerunning the same command resumes.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Literal
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from attention_variants.layout import AttentionLayout
+from attention_variants.modeling_files import write_modeling_file
+from compress.atomic import atomic_output_dir, check_output_dir
+from compress.checkpoint import Checkpoint, ShardWriter, write_config
+from compress.errors import KvslimError
+from eval.texts import DEFAULT_HEAL, RANGES, load_text
+
+TrainMode = Literal["attn", "all", "lora"]
+TRAIN_MODES = ("attn", "all", "lora")
+ATTN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass(frozen=True)
+class HealSpec:
+    steps: int | None = None
+    minutes: float | None = None  # training time budget (evaluation pauses excluded)
+    data: str | None = None  # named range (default wikipedia:heal) or a text file
+    train: TrainMode = "attn"
+    device: str = "cpu"
+    seq_len: int = 256
+    batch_size: int = 4
+    lr: float = 3e-4
+    warmup_steps: int = 10
+    lora_rank: int = 16
+    save_every: int = 25
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class StepReport:
+    step: int
+    total_steps: int
+    loss: float
+    train_seconds: float
+    tokens: int
+
+
+@dataclass(frozen=True)
+class HealResult:
+    out: Path
+    steps: int
+    tokens: int
+    train_seconds: float
+    first_loss: float
+    last_loss: float
+    resumed_from: int
+    data: str
+
+
+def _state_dir(out: Path) -> Path:
+    out = Path(out).expanduser().resolve()
+    return out.with_name(f".{out.name}.heal-state")
+
+
+def heal_tokens(tokenizer, data: str | None) -> tuple[str, list[int]]:
+    """``(name, ids)`` of the healing text: a named heal range or a UTF-8 file (never eval text)."""
+    name = data or DEFAULT_HEAL
+    if name in RANGES:
+        if RANGES[name].role == "eval":
+            raise KvslimError(f"--data {name}: healing must not train on evaluation text; use {DEFAULT_HEAL}")
+        text = load_text(name)
+    else:
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise KvslimError(f"--data {name}: neither a known text range ({', '.join(RANGES)}) nor a file")
+        text = path.read_text(encoding="utf-8", errors="strict")
+    return name, tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def check_pair(student: Checkpoint, teacher: Checkpoint) -> None:
+    """The student must be a conversion of the teacher: same model, same vocabulary, new layout."""
+    s, t = student.config, teacher.config
+    for key in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if s.get(key) != t.get(key):
+            raise KvslimError(f"student and teacher differ in {key} ({s.get(key)} vs {t.get(key)}): "
+                              "the student must be a `compress convert` output of this teacher")
+    if AttentionLayout.from_config(s) == AttentionLayout.from_config(t):
+        raise KvslimError("student has the teacher's attention layout: not a `compress convert` output of it")
+    from transformers import AutoTokenizer
+
+    if AutoTokenizer.from_pretrained(student.path).get_vocab() != AutoTokenizer.from_pretrained(teacher.path).get_vocab():
+        raise KvslimError("teacher's tokenizer vocabulary differs from the student's")
+
+
+def rewritten_layers(student_config: dict, teacher_config: dict) -> list[int]:
+    """Layers whose attention the rewrite changed (their own or as a KV supplier)."""
+    s, t = AttentionLayout.from_config(student_config), AttentionLayout.from_config(teacher_config)
+    suppliers = {l.kv_source for i, l in enumerate(s.layers) if l.kv_source != i}
+    return [i for i in range(s.num_layers) if s.layers[i] != t.layers[i] or i in suppliers]
+
+
+def trainable_names(model, student_config: dict, teacher_config: dict, mode: TrainMode) -> list[str]:
+    if mode == "all":
+        return [n for n, _ in model.named_parameters()]
+    layers = rewritten_layers(student_config, teacher_config)
+    prefixes = tuple(f"model.layers.{i}.self_attn.{p}." for i in layers for p in ATTN_PROJECTIONS)
+    return [n for n, _ in model.named_parameters() if n.startswith(prefixes)]
+
+
+def _lr_factor(spec: HealSpec, step: int, total: int, seconds: float) -> float:
+    """Linear warmup, then cosine decay over the run (by steps, or by time with --minutes)."""
+    if step < spec.warmup_steps:
+        return (step + 1) / spec.warmup_steps
+    progress = step / max(total, 1)
+    if spec.minutes:
+        progress = max(progress, seconds / (60 * spec.minutes))
+    return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) per token, averaged."""
+    t = torch.log_softmax(teacher_logits.float(), dim=-1)
+    s = torch.log_softmax(student_logits.float(), dim=-1)
+    return (t.exp() * (t - s)).sum(-1).mean()
+
+
+def heal(
+    student_dir: Path, teacher_dir: Path, spec: HealSpec, out: Path, force: bool = False,
+    on_step: Callable[[StepReport, torch.nn.Module], None] | None = None,
+) -> HealResult:
+    """Distil ``teacher_dir`` into ``student_dir``; write the healed checkpoint to ``out``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from attention_variants.summary import load_for_eval
+
+    if (spec.steps is None) == (spec.minutes is None):
+        raise KvslimError("heal needs exactly one of --steps S or --minutes M")
+    if (spec.steps is not None and spec.steps < 1) or (spec.minutes is not None and spec.minutes <= 0):
+        raise KvslimError("--steps / --minutes must be positive")
+    if spec.train not in TRAIN_MODES:
+        raise KvslimError(f"--train {spec.train}: expected one of {', '.join(TRAIN_MODES)}")
+    if spec.device == "cuda" and not torch.cuda.is_available():
+        raise KvslimError("--device cuda: no CUDA device available")
+    student_ckpt, teacher_ckpt = Checkpoint.open(student_dir), Checkpoint.open(teacher_dir)
+    for ckpt in (student_ckpt, teacher_ckpt):
+        if ckpt.quantization_config:
+            raise KvslimError(f"{ckpt.path}: heal works on unquantized checkpoints (heal first, then quantize)")
+    check_pair(student_ckpt, teacher_ckpt)
+    check_output_dir(Path(out), force)
+    tokenizer = AutoTokenizer.from_pretrained(student_ckpt.path)
+    data_name, ids = heal_tokens(tokenizer, spec.data)
+    chunk = spec.seq_len * spec.batch_size
+    available = len(ids) // chunk
+    if spec.steps is not None and spec.steps > available:
+        raise KvslimError(f"--data {data_name}: {len(ids)} tokens hold {available} steps of "
+                          f"{spec.batch_size} x {spec.seq_len} tokens; {spec.steps} requested")
+    if available < 1:
+        raise KvslimError(f"--data {data_name}: {len(ids)} tokens, one step needs {chunk}")
+    total = spec.steps or available
+    order = torch.randperm(available, generator=torch.Generator().manual_seed(spec.seed))
+    batches = torch.tensor(ids[: available * chunk]).view(available, spec.batch_size, spec.seq_len)[order]
+
+    device = torch.device(spec.device)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_ckpt.path, dtype=torch.float32).to(device).eval()
+    student = load_for_eval(student_ckpt.path).to(device)
+    names = trainable_names(student, student_ckpt.config, teacher_ckpt.config, spec.train)
+    model, params = _prepare(student, names, spec)
+    optimizer = torch.optim.AdamW([p for _, p in params], lr=spec.lr, weight_decay=0.0)
+
+    state_dir = _state_dir(out)
+    start, seconds, first_loss, losses = _load_state(state_dir, spec, params, optimizer)
+    last_loss = losses[-1] if losses else float("nan")
+    model.train()
+    bar = tqdm(range(start, total), desc="heal", initial=start, total=total)
+    completed = start
+    try:
+        for step in bar:
+            t0 = time.perf_counter()
+            batch = batches[step].to(device)
+            with torch.no_grad():
+                target = teacher(input_ids=batch, use_cache=False).logits
+            loss = distill_loss(model(input_ids=batch, use_cache=False).logits, target)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_([p for _, p in params], 1.0)
+            for group in optimizer.param_groups:
+                group["lr"] = spec.lr * _lr_factor(spec, step, total, seconds)
+            optimizer.step()
+            seconds += time.perf_counter() - t0
+            last_loss = float(loss.detach())
+            first_loss = last_loss if math.isnan(first_loss) else first_loss
+            losses.append(last_loss)
+            bar.set_postfix(loss=f"{last_loss:.4f}")
+            completed = step + 1
+            if completed % spec.save_every == 0:
+                _save_state(state_dir, spec, params, optimizer, completed, seconds, first_loss, losses)
+            if on_step is not None:
+                model.eval()
+                on_step(StepReport(completed, total, last_loss, seconds, completed * chunk), model)
+                model.train()
+            if spec.minutes is not None and seconds >= 60 * spec.minutes:
+                break
+    except KeyboardInterrupt:
+        _save_state(state_dir, spec, params, optimizer, completed, seconds, first_loss, losses)
+        raise
+    finally:
+        bar.close()
+    model.eval()
+    _write_student(model, student_ckpt, spec, out, force)
+    shutil.rmtree(state_dir, ignore_errors=True)
+    return HealResult(Path(out), completed, completed * chunk, seconds, first_loss, last_loss, start, data_name)
+
+
+def _prepare(student, names: list[str], spec: HealSpec):
+    """Freeze all but ``names`` (or wrap them in LoRA adapters); return (model, named params)."""
+    for p in student.parameters():
+        p.requires_grad_(False)
+    if spec.train != "lora":
+        wanted = set(names)
+        params = [(n, p) for n, p in student.named_parameters() if n in wanted]
+        for _, p in params:
+            p.requires_grad_(True)
+        return student, params
+    from importlib.util import find_spec
+
+    if find_spec("peft") is None:
+        raise KvslimError("--train lora needs the peft package: pip install peft")
+    from peft import LoraConfig, get_peft_model
+
+    modules = sorted({n.rsplit(".", 1)[0] for n in names})
+    peft_model = get_peft_model(student, LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_rank, target_modules=modules))
+    return peft_model, [(n, p) for n, p in peft_model.named_parameters() if p.requires_grad]
+
+
+def _save_state(state_dir: Path, spec: HealSpec, params, optimizer, step: int, seconds: float,
+                first_loss: float, losses: list[float]) -> None:
+    tensors = {f"param.{n}": p.detach().cpu().contiguous() for n, p in params}
+    for n, p in params:
+        st = optimizer.state.get(p)
+        if st:
+            tensors[f"exp_avg.{n}"] = st["exp_avg"].cpu().contiguous()
+            tensors[f"exp_avg_sq.{n}"] = st["exp_avg_sq"].cpu().contiguous()
+            tensors[f"adam_step.{n}"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1)
+    tmp = state_dir.with_name(state_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / "state.safetensors"))
+    meta = dict(spec=asdict(spec), step=step, seconds=seconds, first_loss=first_loss, losses=losses)
+    (tmp / "state.json").write_text(json.dumps(meta))
+    shutil.rmtree(state_dir, ignore_errors=True)
+    tmp.rename(state_dir)
+
+
+def _load_state(state_dir: Path, spec: HealSpec, params, optimizer) -> tuple[int, float, float, list[float]]:
+    """Resume from a saved state of the same run; a state of a different run is an error."""
+    if not (state_dir / "state.json").is_file():
+        return 0, 0.0, float("nan"), []
+    meta = json.loads((state_dir / "state.json").read_text())
+    if meta["spec"] != json.loads(json.dumps(asdict(spec))):
+        raise KvslimError(f"{state_dir} holds a healing run with other settings; delete it to start over")
+    tensors = load_file(str(state_dir / "state.safetensors"))
+    with torch.no_grad():
+        for n, p in params:
+            p.copy_(tensors[f"param.{n}"])
+            if f"exp_avg.{n}" in tensors:
+                optimizer.state[p] = {
+                    "step": tensors[f"adam_step.{n}"][0].clone(),
+                    "exp_avg": tensors[f"exp_avg.{n}"].to(p.device),
+                    "exp_avg_sq": tensors[f"exp_avg_sq.{n}"].to(p.device),
+                }
+    return int(meta["step"]), float(meta["seconds"]), float(meta["first_loss"]), list(meta["losses"])
+
+
+def _write_student(model, student_ckpt: Checkpoint, spec: HealSpec, out: Path, force: bool) -> None:
+    """Write the healed weights under the student checkpoint's own tensor names."""
+    if spec.train == "lora":
+        model = model.merge_and_unload()
+    state = model.state_dict()
+    with atomic_output_dir(out, force) as tmp:
+        writer = ShardWriter(tmp)
+        for name in student_ckpt.names():
+            dtype = student_ckpt.headers[name][0]
+            tensor = state[name].detach().cpu()
+            writer.add(name, tensor.to(_DTYPES[dtype]))
+        writer.close()
+        student_ckpt.copy_side_files(tmp)
+        if "auto_map" in student_ckpt.config:
+            write_modeling_file(tmp)
+        write_config(tmp, student_ckpt.config)
+
+
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
