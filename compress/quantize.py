@@ -42,7 +42,7 @@ class QuantizeResult:
     seconds: float
 
 
-def quantization_config(scheme: QuantScheme, ignore: tuple[str, ...]) -> dict:
+def quantization_config(scheme: QuantScheme, ignore: tuple[str, ...], kv_cache_scheme: dict | None = None) -> dict:
     """``config.json["quantization_config"]`` exactly as compressed-tensors'
     ``ModelCompressor.update_config`` writes it after llm-compressor compressed a model."""
     return {
@@ -50,7 +50,7 @@ def quantization_config(scheme: QuantScheme, ignore: tuple[str, ...]) -> dict:
         "format": scheme.format,
         "global_compression_ratio": None,
         "ignore": list(ignore),
-        "kv_cache_scheme": None,
+        "kv_cache_scheme": kv_cache_scheme,
         "moe_sparsity_config": None,
         "quant_method": "compressed-tensors",
         "quantization_status": "compressed",
@@ -121,6 +121,7 @@ def quantize_checkpoint(
     quantizer: WeightQuantizer | None = None,
     force: bool = False,
     progress: bool = True,
+    kv_cache_scheme: dict | None = None,
 ) -> QuantizeResult:
     """Quantize ``source`` (an HF checkpoint directory) into ``out`` (written atomically)."""
     quantizer = quantizer or RTN()
@@ -150,9 +151,11 @@ def quantize_checkpoint(
                     nb = _nbytes(tensor)
                     stats.append(TensorStat(name, tensor_kind(name), str(tensor.dtype).removeprefix("torch."),
                                             tensor.numel(), nb, nb, False, 0.0, 0.0, 0.0))
+        for name, tensor in quantizer.finish().items():
+            writer.add(name, tensor)
         writer.close()
         config = dict(ckpt.config)
-        config["quantization_config"] = quantization_config(scheme, ignore)
+        config["quantization_config"] = quantization_config(scheme, ignore, kv_cache_scheme)
         write_config(tmp, config)
         ckpt.copy_side_files(tmp)
     return QuantizeResult(out.expanduser().resolve(), scheme, quantizer.name, ignore, tuple(stats),

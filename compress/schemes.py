@@ -70,6 +70,9 @@ class QuantScheme:
     group_size: int | None
     symmetric: bool
     input_activations: ActivationQuant | None = None
+    # GPTQ's activation ordering as compressed-tensors records it: "weight" (columns visited by
+    # decreasing Hessian diagonal, groups unchanged, no weight_g_idx). None: not used.
+    actorder: Literal["weight"] | None = None
 
     def __post_init__(self) -> None:
         if self.strategy == "group" and not (self.group_size and self.group_size > 0):
@@ -130,10 +133,13 @@ class QuantScheme:
     def weights_config(self) -> dict:
         """The ``weights`` entry, as ``QuantizationArgs.model_dump()`` writes it."""
         # compressed-tensors omits unset optional fields (zp_dtype, observer, actorder, ...).
-        return {
+        config = {
             "num_bits": self.num_bits, "type": self.type, "symmetric": self.symmetric,
             "group_size": self.group_size, "strategy": self.strategy, "dynamic": False,
         }
+        if self.actorder is not None:
+            config["actorder"] = self.actorder
+        return config
 
     def to_config_group(self, targets: tuple[str, ...] = ("Linear",)) -> dict:
         """The ``config_groups`` entry (``QuantizationScheme.model_dump()`` after
@@ -201,4 +207,7 @@ def scheme_from_config_group(group: dict) -> QuantScheme:
         name = "FP8_DYNAMIC" if act else "FP8"
     else:
         name = f"W{num_bits}A16" + ("" if sym else "_ASYM")
-    return QuantScheme(name, num_bits, qtype, strategy, group_size, sym, act)
+    actorder = w.get("actorder")
+    if actorder not in (None, "weight"):
+        raise KvslimError(f"unsupported activation ordering in config: actorder={actorder!r}")
+    return QuantScheme(name, num_bits, qtype, strategy, group_size, sym, act, actorder)

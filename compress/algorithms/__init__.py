@@ -26,3 +26,8 @@ class WeightQuantizer(Protocol):
         ``weight_packed`` + ``weight_shape``, ``weight_scale``, optional ``weight_zero_point`` /
         ``weight_g_idx`` (see ``compress.primitives.encode_linear``)."""
         ...
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """Called once after the last Linear: extra tensors to write, by full name (e.g. the
+        calibrated ``self_attn.k_scale`` / ``v_scale`` of ``--kv-cache-fp8``); usually empty."""
+        ...

@@ -15,3 +15,6 @@ class RTN:
     def quantize(self, module: str, weight: torch.Tensor, scheme: QuantScheme) -> dict[str, torch.Tensor]:
         scale, zero_point = compute_qparams(weight, scheme)
         return encode_linear(quantize(weight, scale, zero_point, scheme), scale, zero_point, scheme)
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        return {}

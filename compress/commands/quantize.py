@@ -20,6 +20,20 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     sym.add_argument("--asymmetric", dest="symmetric", action="store_const", const=False)
     p.add_argument("--ignore", action="append", default=None, metavar="MODULE",
                    help="Linear module left unquantized: exact name or 're:REGEX' (repeatable; default: lm_head)")
+    p.add_argument("--method", choices=("rtn", "gptq"), default="rtn",
+                   help="rtn: round-to-nearest (default); gptq: calibrated, layer by layer")
+    p.add_argument("--act-order", action="store_true",
+                   help="GPTQ: visit columns by decreasing activation energy (actorder 'weight'; INT4/INT8 only)")
+    p.add_argument("--dampening", type=float, default=None, metavar="F",
+                   help="GPTQ: fraction of the mean Hessian diagonal added to it (default 0.01)")
+    p.add_argument("--calib", default=None, metavar="TEXT",
+                   help="calibration text: a calib range (default wikipedia:calib) or a UTF-8 text file")
+    p.add_argument("--num-calib-samples", type=int, default=None, metavar="N",
+                   help="calibration windows (default 64)")
+    p.add_argument("--calib-seq-len", type=int, default=None, metavar="L",
+                   help="tokens per calibration window (default 512)")
+    p.add_argument("--kv-cache-fp8", action="store_true",
+                   help="calibrate per-layer FP8 k_scale/v_scale and declare kv_cache_scheme")
     p.add_argument("-o", "--output", required=True, help="output checkpoint directory")
     p.add_argument("--force", action="store_true", help="overwrite an existing output directory")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -34,8 +48,14 @@ def run(args: argparse.Namespace) -> int:
     scheme = default_scheme(args.kind).with_options(group_size=args.group_size, symmetric=args.symmetric)
     source = resolve_model(args.model)
     ignore = tuple(args.ignore) if args.ignore else DEFAULT_IGNORE
-    result = quantize_checkpoint(source, args.output, scheme, ignore=ignore, force=args.force,
-                                 progress=not args.no_progress)
+    quantizer, kv_cache_scheme, calib_note = _calibrated(args, scheme, source)
+    if args.act_order:
+        from compress.algorithms.gptq import with_act_order
+
+        scheme = with_act_order(scheme)
+    result = quantize_checkpoint(source, args.output, scheme, ignore=ignore, quantizer=quantizer,
+                                 force=args.force, progress=not args.no_progress,
+                                 kv_cache_scheme=kv_cache_scheme)
     t = totals(result.stats)
     src_dtypes = sorted({s.source_dtype for s in result.stats if not s.quantized})
     print(f"scheme: {scheme.describe()}, {result.algorithm}; ignore: {', '.join(result.ignore)}")
@@ -47,5 +67,47 @@ def run(args: argparse.Namespace) -> int:
         f"whatever its stored dtype; unquantized tensors keep their source dtype ({', '.join(src_dtypes)}), "
         "scales take the weight's dtype."
     )
+    if calib_note:
+        print(calib_note)
     print(f"wrote {result.out} in {result.seconds:.1f} s")
     return 0
+
+
+def _calibrated(args: argparse.Namespace, scheme, source):
+    """``(quantizer or None, kv_cache_scheme or None, note)`` for --method gptq / --kv-cache-fp8.
+
+    Every calibration flag is checked here, before anything is computed or written."""
+    from pathlib import Path
+
+    from compress.atomic import check_output_dir
+    from compress.errors import KvslimError
+
+    calib_flags = [f for f, v in (("--calib", args.calib), ("--num-calib-samples", args.num_calib_samples),
+                                  ("--calib-seq-len", args.calib_seq_len)) if v is not None]
+    gptq_flags = [f for f, v in (("--act-order", args.act_order), ("--dampening", args.dampening is not None)) if v]
+    if args.method != "gptq" and gptq_flags:
+        raise KvslimError(f"{gptq_flags[0]} is a GPTQ option; add --method gptq")
+    if args.method != "gptq" and not args.kv_cache_fp8:
+        if calib_flags:
+            raise KvslimError(f"{calib_flags[0]} needs calibration: add --method gptq or --kv-cache-fp8")
+        return None, None, ""
+    from compress.algorithms.gptq import DEFAULT_DAMPENING, GPTQOptions, with_act_order
+    from compress.calibration import DEFAULT_CALIB_TEXT, DEFAULT_NUM_SAMPLES, DEFAULT_SEQ_LEN, CalibrationSpec
+    from compress.kv_scales import KV_CACHE_SCHEME
+    from compress.layer_stream import calibrated_quantizer
+
+    if args.act_order:
+        with_act_order(scheme)  # refuse formats that cannot carry it, before calibrating
+    options = GPTQOptions(dampening=DEFAULT_DAMPENING if args.dampening is None else args.dampening)
+    spec = CalibrationSpec(
+        args.calib or DEFAULT_CALIB_TEXT,
+        DEFAULT_NUM_SAMPLES if args.num_calib_samples is None else args.num_calib_samples,
+        DEFAULT_SEQ_LEN if args.calib_seq_len is None else args.calib_seq_len,
+    )
+    check_output_dir(Path(args.output).expanduser().resolve(), args.force)
+    quantizer = calibrated_quantizer(source, args.method, spec, options, kv_cache_fp8=args.kv_cache_fp8)
+    what = ["GPTQ" if args.method == "gptq" else "", "FP8 KV-cache scales" if args.kv_cache_fp8 else ""]
+    note = f"calibration ({' + '.join(w for w in what if w)}): {spec.describe()}"
+    if args.method == "gptq":
+        note += f", dampening {options.dampening}" + (", act-order" if args.act_order else "")
+    return quantizer, KV_CACHE_SCHEME if args.kv_cache_fp8 else None, note

@@ -1,0 +1,224 @@
+"""GPTQ (Frantar et al., 2022): quantize a Linear column by column, pushing each column's rounding
+error onto the not-yet-quantized columns through the inverse Hessian of the layer's inputs.
+
+``H = 2/n * sum_x x x^T`` over calibration inputs ``x`` of the Linear. The update uses the upper
+Cholesky factor of ``(H + damp * I)^-1`` with ``damp = dampening * mean(diag(H))``, processed in
+blocks of ``block_size`` columns (lazy batch updates, section 3.4 of the GPTQ paper).
+
+Quantization grid: channel strategy (FP8, INT8 per-channel) uses min-max scales of the whole
+original weight. Group strategy without act-order computes each group's min-max scale from the
+already-updated weights when the group's first column is reached (as the reference GPTQ does);
+with act-order, columns are visited in decreasing ``diag(H)`` but groups stay contiguous in the
+original order and their scales are fixed up front from the original weight: compressed-tensors'
+``actorder: "weight"``, which needs no ``weight_g_idx``. (compressed-tensors 0.20 removed
+``actorder: "group"`` and its ``weight_g_idx``: its config validator rejects it, so kvslim does not
+write it.)
+
+The stored tensors are exactly those RTN stores (``compress.primitives.encode_linear``), so the
+output loads the same way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from compress.errors import KvslimError
+from compress.primitives import dequantize, encode_linear, qparams_from_range
+from compress.schemes import QuantScheme
+
+DEFAULT_DAMPENING = 0.01
+DEFAULT_BLOCK_SIZE = 128
+
+
+@dataclass(frozen=True)
+class GPTQOptions:
+    dampening: float = DEFAULT_DAMPENING
+    block_size: int = DEFAULT_BLOCK_SIZE
+    act_order: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 < self.dampening < 1:
+            raise KvslimError(f"--dampening must be in (0, 1), got {self.dampening}")
+        if self.block_size <= 0:
+            raise KvslimError(f"GPTQ block size must be positive, got {self.block_size}")
+
+
+@dataclass(frozen=True)
+class GPTQResult:
+    tensors: dict[str, torch.Tensor]  # on-disk tensors of the Linear (encode_linear)
+    dequantized: torch.Tensor  # [out, in] in the scale dtype: what a loader reconstructs
+    loss: float  # sum of (w - q)^2 / d^2 / 2 over all columns (the GPTQ objective's estimate)
+
+
+def hessian_from_inputs(x: torch.Tensor) -> torch.Tensor:
+    """``2/n * X^T X`` (fp32) for inputs ``x [..., in]``; for tests and one-shot use."""
+    x = x.reshape(-1, x.shape[-1]).to(torch.float32)
+    return 2.0 / x.shape[0] * (x.t() @ x)
+
+
+def _inverse_hessian_cholesky(holder: list[torch.Tensor], dampening: float) -> torch.Tensor:
+    """Upper Cholesky factor of ``(H + damp I)^-1``. ``holder`` is ``[H]``; it is emptied so the
+    (possibly huge) Hessian is freed as soon as its factor exists."""
+    h = holder.pop()
+    diag = torch.arange(h.shape[0])
+    h[diag, diag] += dampening * torch.mean(torch.diag(h))
+    try:
+        factor = torch.linalg.cholesky(h)
+    except torch.linalg.LinAlgError:
+        raise KvslimError("GPTQ: the calibration Hessian is not positive definite; raise --dampening "
+                          "or use more calibration samples") from None
+    del h
+    inv = torch.cholesky_inverse(factor)
+    del factor
+    return torch.linalg.cholesky(inv, upper=True)
+
+
+def gptq_quantize(
+    weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, options: GPTQOptions = GPTQOptions()
+) -> GPTQResult:
+    """GPTQ-quantize one ``[out, in]`` weight given its inputs' Hessian ``[in, in]``.
+
+    ``hessian`` is consumed: modified in place and released as early as possible (pass a clone
+    to keep it). Scales take the weight's
+    dtype, as in RTN; the arithmetic runs in fp32.
+    """
+    rows, cols = weight.shape
+    if hessian.shape != (cols, cols):
+        raise ValueError(f"Hessian {tuple(hessian.shape)} does not match weight columns {cols}")
+    scheme.check_input_features(cols, "GPTQ weight")
+    w = weight.to(torch.float32).clone()
+    h = hessian.to(torch.float32)
+    del hessian  # the caller passes ownership; freeing it early bounds peak memory
+
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+
+    group = int(scheme.group_size) if scheme.strategy == "group" else cols
+    n_groups = cols // group
+    scale = torch.empty(rows, n_groups, dtype=_scale_dtype(weight))
+    zero = None if scheme.symmetric else torch.empty(rows, n_groups, dtype=torch.int8)
+    static = scheme.strategy == "channel" or options.act_order
+    if static:
+        _set_qparams(w, range(n_groups), group, weight.dtype, scheme, scale, zero)
+
+    perm = None
+    if options.act_order:
+        perm = torch.argsort(torch.diag(h), descending=True)
+        w = w[:, perm]
+        h = h[perm][:, perm]
+    holder = [h]
+    del h
+    hinv = _inverse_hessian_cholesky(holder, options.dampening)
+
+    q_int = torch.empty(rows, cols, dtype=torch.float8_e4m3fn if scheme.type == "float" else torch.int8)
+    losses = torch.zeros(rows)
+    bs = options.block_size
+    grid = None
+    for i1 in range(0, cols, bs):
+        i2 = min(i1 + bs, cols)
+        w1 = w[:, i1:i2].clone()
+        err1 = torch.zeros_like(w1)
+        hinv1 = hinv[i1:i2, i1:i2]
+        with _single_thread():  # hundreds of tiny ops per block: threads only add overhead
+            for i in range(i2 - i1):
+                col = i1 + i
+                orig_col = int(perm[col]) if perm is not None else col
+                g = orig_col // group
+                if not static and orig_col % group == 0:
+                    # First column of a group: its scale from the columns as updated so far.
+                    _set_qparams(torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, :group], [g], group,
+                                 weight.dtype, scheme, scale, zero, offset=0)
+                    grid = None
+                if grid is None or grid.group != g:
+                    grid = _ColumnGrid(g, scale, zero, scheme)
+                col_w = w1[:, i]
+                q, dq = grid.fake_quantize(col_w)
+                q_int[:, orig_col] = q
+                d = hinv1[i, i]
+                e = (col_w - dq) / d
+                losses += (col_w - dq) ** 2 / d**2 / 2
+                w1[:, i:] -= e.unsqueeze(1) * hinv1[i, i:].unsqueeze(0)
+                err1[:, i] = e
+        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+    tensors = encode_linear(q_int, scale, zero, scheme)
+    dequantized = dequantize(q_int, scale, zero, scheme)
+    return GPTQResult(tensors, dequantized, float(losses.sum()))
+
+
+class _ColumnGrid:
+    """One group's quantization grid applied to single columns, with exactly the arithmetic of
+    ``compress.primitives.quantize`` / ``dequantize`` (so the stored values decode to ``dq``)."""
+
+    def __init__(self, group: int, scale: torch.Tensor, zero: torch.Tensor | None, scheme: QuantScheme) -> None:
+        self.group = group
+        self.is_float = scheme.type == "float"
+        self.q_min, self.q_max = scheme.q_min, scheme.q_max
+        s = scale[:, group]
+        self.s_quant = s.to(torch.float32)  # quantize divides in the (fp32) working dtype
+        self.s_deq = s  # dequantize multiplies in the scale dtype
+        self.z_quant = zero[:, group].to(torch.float32) if zero is not None else None
+        self.z_deq = zero[:, group].to(s.dtype) if zero is not None else None
+
+    def fake_quantize(self, col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(stored value, dequantized fp32 value)`` of one column."""
+        x = col / self.s_quant
+        if self.z_quant is not None:
+            x = x + self.z_quant
+        x = torch.clamp(x, self.q_min, self.q_max)
+        if self.is_float:
+            q = x.to(torch.float8_e4m3fn)
+            dq = q.to(self.s_deq.dtype)
+        else:
+            q = torch.round(x)
+            dq = q.to(self.s_deq.dtype)
+            q = q.to(torch.int8)
+        if self.z_deq is not None:
+            dq = dq - self.z_deq
+        return q, (dq * self.s_deq).to(torch.float32)
+
+
+class _single_thread:
+    def __enter__(self) -> None:
+        self._threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc) -> None:
+        torch.set_num_threads(self._threads)
+
+
+def _scale_dtype(weight: torch.Tensor) -> torch.dtype:
+    return weight.dtype if weight.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else torch.float16
+
+
+def _set_qparams(
+    w: torch.Tensor,
+    groups,
+    group: int,
+    dtype: torch.dtype,
+    scheme: QuantScheme,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    offset: int | None = None,
+) -> None:
+    """Min-max scale/zero point of ``groups`` of ``w``'s columns, computed in the weight dtype as
+    RTN does. ``offset=0``: ``w`` already starts at the (single) group's first column."""
+    for g in groups:
+        start = 0 if offset == 0 else g * group
+        block = w[:, start : start + group].to(dtype)
+        s, z = qparams_from_range(block.amin(dim=1), block.amax(dim=1), scheme)
+        scale[:, g] = s
+        if zero is not None:
+            zero[:, g] = z
+
+
+def with_act_order(scheme: QuantScheme) -> QuantScheme:
+    """``scheme`` recording GPTQ activation ordering; only the integer weight-only formats
+    (``pack-quantized``, vLLM's WNA16 path) carry it."""
+    if not scheme.is_packed:
+        raise KvslimError(
+            f"--act-order needs an integer weight-only format (--int4/--int8, pack-quantized); "
+            f"{scheme.name} is {scheme.format}, which carries no activation order"
+        )
+    return replace(scheme, actorder="weight")
