@@ -1,0 +1,106 @@
+"""`compress eval` end to end on tiny checkpoints (and, marked slow, the real default model)."""
+import shutil
+
+import pytest
+import torch
+
+from compress.cli import main
+from eval import results_cache
+
+TINY_ARGS = ["--tasks", "arc_easy,boolq", "ppl_pydoc", "--limit", "4", "--ppl-tokens", "300", "--batch-size", "4"]
+
+
+@pytest.fixture(autouse=True)
+def private_results(tmp_path, monkeypatch):
+    monkeypatch.setattr(results_cache, "results_dir", lambda: tmp_path / "results")
+    return tmp_path / "results"
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tmp_path_factory, default_model_dir):
+    from tests.tiny_models import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny") / "llama", "llama", vocab_size=49152, tokenizer_from=default_model_dir
+    )
+
+
+def test_tiny_scores_are_deterministic_and_parsed_back(tiny_with_tokenizer, private_results, capsys):
+    assert main(["eval", str(tiny_with_tokenizer), *TINY_ARGS]) == 0
+    out = capsys.readouterr().out
+    first = results_cache.EvalResults.from_json(next(private_results.glob("*.json")).read_text())
+    assert list(first.scores) == ["arc_easy", "boolq", "ppl_pydoc"]
+    assert first.scores["arc_easy"].num_samples == 4 and first.scores["arc_easy"].stderr is not None
+    assert first.scores["ppl_pydoc"].detail.startswith("pydoc:eval, first 300 tokens")
+    for s in first.scores.values():  # every score is in the printed table
+        assert f"{s.value:.4f}" in out or f"{s.value:.3f}" in out
+    # a second run (not from the cache) gives the very same scores
+    assert main(["eval", str(tiny_with_tokenizer), *TINY_ARGS, "--no-cache"]) == 0
+    second = results_cache.EvalResults.from_json(next(private_results.glob("*.json")).read_text())
+    assert second.scores == first.scores
+    # A third run, against itself as baseline, is served from the cache. A random model is at
+    # chance everywhere: no task carries signal, so nothing is gated and nothing can fail.
+    capsys.readouterr()
+    assert main(["eval", str(tiny_with_tokenizer), "--baseline", str(tiny_with_tokenizer), *TINY_ARGS]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.count("cached:") == 2
+    assert captured.out.count("not gated") == 3
+
+
+def test_modeling_code_not_ours_is_refused(tiny_with_tokenizer, tmp_path, capsys):
+    ckpt = shutil.copytree(tiny_with_tokenizer, tmp_path / "with_code")
+    (ckpt / "modeling_evil.py").write_text("import os\n")
+    assert main(["eval", str(ckpt), *TINY_ARGS]) == 2
+    err = capsys.readouterr().err
+    assert "modeling_evil.py" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tasks", "mmlu"], "unknown task"),
+        (["--limit", "0"], "--limit"),
+        (["--backend", "vllm"], "unknown backend"),
+        (["--baseline", "x", "--scheme", "W3A3"], "no gate for scheme"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line(tiny_with_tokenizer, capsys, args, message):
+    assert main(["eval", str(tiny_with_tokenizer), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_missing_checkpoint_exit_2(tmp_path, capsys):
+    assert main(["eval", str(tmp_path / "nope")]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def _broken_copy(src, out):
+    """The default model with its (tied) embedding rows shuffled: same shapes, garbage model."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy2(f, out / f.name)
+    for f in src.glob("*.safetensors"):
+        tensors = load_file(f)
+        g = torch.Generator().manual_seed(0)
+        for name, t in tensors.items():
+            if name.endswith("embed_tokens.weight"):
+                tensors[name] = t[torch.randperm(t.shape[0], generator=g)].contiguous()
+        save_file(tensors, out / f.name, metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.slow
+def test_broken_checkpoint_fails_its_gate(default_model_dir, tmp_path, capsys):
+    args = ["--tasks", "lambada_openai", "ppl_pydoc", "--limit", "40", "--ppl-tokens", "512"]
+    broken = _broken_copy(default_model_dir, tmp_path / "broken")
+    assert main(["eval", str(broken), "--baseline", str(default_model_dir), *args]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out
+    # the model against itself passes (both results now come from the cache)
+    assert main(["eval", str(default_model_dir), "--baseline", str(default_model_dir), *args]) == 0
+    out = capsys.readouterr().out
+    assert "FAIL" not in out and "pass" in out

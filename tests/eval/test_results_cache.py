@@ -1,0 +1,41 @@
+"""Results JSON: written, parsed back, keyed by checkpoint content + settings."""
+from eval.results_cache import EvalResults, TaskScore, cache_key, checkpoint_sha256, load_cached, save
+
+
+def _results(value: float = 0.5) -> EvalResults:
+    return EvalResults(
+        checkpoint="/x",
+        checkpoint_sha256="ab" * 32,
+        backend="hf",
+        settings={"tasks": ["arc_easy", "ppl_pydoc"], "limits": {"arc_easy": 10}},
+        scores={
+            "arc_easy": TaskScore("arc_easy", "acc_norm", value, 0.1, 10, True, {"acc": 0.4, "acc_norm": value}, "first 10 docs"),
+            "ppl_pydoc": TaskScore("ppl_pydoc", "perplexity", 12.5, None, 512, False, {"perplexity": 12.5}, "pydoc:eval"),
+        },
+        seconds=1.5,
+        cpu_seconds=2.5,
+    )
+
+
+def test_results_round_trip(tmp_path):
+    r = _results()
+    path = save(r, tmp_path / "r.json")
+    assert load_cached(path) == r
+    assert load_cached(tmp_path / "missing.json") is None
+
+
+def test_cache_key_depends_on_checkpoint_and_settings():
+    s = {"tasks": ["arc_easy"], "limits": {"arc_easy": 10}}
+    assert cache_key("a", "hf", s) == cache_key("a", "hf", dict(s))
+    assert cache_key("a", "hf", s) != cache_key("b", "hf", s)
+    assert cache_key("a", "hf", s) != cache_key("a", "kvslim", s)
+    assert cache_key("a", "hf", s) != cache_key("a", "hf", {**s, "limits": {"arc_easy": 11}})
+
+
+def test_checkpoint_hash_follows_content(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 16)
+    h = checkpoint_sha256(tmp_path)
+    assert h == checkpoint_sha256(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\1" + b"\0" * 15)
+    assert checkpoint_sha256(tmp_path) != h
