@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 
 from attention_variants.modeling_files import CAUSAL_LM_CLASSES, MODELING_DIR, MODELING_FILE
@@ -50,3 +51,13 @@ def runtime_logits(model: Decoder, ids: torch.Tensor, splits: tuple[int, ...] = 
         positions = cache.begin_step([(0, b - a)])
         out.append(model.compute_logits(model(ids[a:b], positions, cache)))
     return torch.cat(out)
+
+
+@pytest.fixture(autouse=False)
+def single_thread():
+    """Run a test on one intra-op thread: tiny models gain nothing from two, and on a shared,
+    oversubscribed CPU two OpenMP threads spin-wait on each other (20x slower measured here)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -14,8 +14,10 @@ from safetensors.torch import load_file, save_file
 
 from attention_variants.convert import ConvertSpec, convert
 from runtime.loader import load_model
-from tests.runtime.hf_oracle import hf_logits, hf_model, runtime_logits
+from tests.runtime.hf_oracle import hf_logits, hf_model, runtime_logits, single_thread  # noqa: F401
 from tests.tiny_models import ARCHITECTURES, make_tiny_checkpoint
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 ATOL = 1e-4
 SEQ = 40
