@@ -1,0 +1,87 @@
+"""`compress quantize --method gptq / --kv-cache-fp8` from the command line: a small end-to-end run
+and bad input (one line, exit 2, nothing written)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from compress.cli import main
+from compress.checkpoint import Checkpoint
+from tests.tiny_models import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(default_model_dir, tmp_path_factory):
+    """A tiny random Llama that shares the default model's tokenizer (so calibration text tokenizes)."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tok") / "tiny", "llama",
+                                tokenizer_from=default_model_dir, vocab_size=49152)
+
+
+def test_gptq_cli_end_to_end(tiny_with_tokenizer, tmp_path, capsys):
+    out = tmp_path / "g"
+    rc = main(["quantize", str(tiny_with_tokenizer), "--int4", "--method", "gptq", "--act-order",
+               "--num-calib-samples", "4", "--calib-seq-len", "64", "--kv-cache-fp8", "-o", str(out), "--no-progress"])
+    assert rc == 0
+    stdout = capsys.readouterr().out
+    assert "4 x 64 tokens of wikipedia:calib" in stdout and "gptq" in stdout
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["kv_cache_scheme"]["strategy"] == "tensor"
+    assert qc["config_groups"]["group_0"]["weights"]["actorder"] == "weight"
+    assert Checkpoint.open(out).has("model.layers.3.self_attn.v_scale")
+
+
+def test_calibration_from_a_text_file(tiny_with_tokenizer, tmp_path):
+    text = tmp_path / "calib.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    rc = main(["quantize", str(tiny_with_tokenizer), "--int8", "--method", "gptq", "--calib", str(text),
+               "--num-calib-samples", "2", "--calib-seq-len", "32", "-o", str(tmp_path / "o"), "--no-progress"])
+    assert rc == 0
+
+
+def bad(args: list[str], out, capsys) -> str:
+    rc = main(["quantize", *args, "-o", str(out), "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert "\n" not in err and err.startswith("compress")
+    assert not out.exists()
+    assert not any(p.name.startswith(f".{out.name}.tmp") for p in out.parent.iterdir())
+    return err
+
+
+def test_calibration_text_too_short(tiny_with_tokenizer, tmp_path, capsys):
+    text = tmp_path / "short.txt"
+    text.write_text("Only a few words of calibration text.")
+    err = bad([str(tiny_with_tokenizer), "--int4", "--method", "gptq", "--calib", str(text),
+               "--num-calib-samples", "4", "--calib-seq-len", "64"], tmp_path / "o", capsys)
+    assert "need 256" in err
+
+
+def test_named_range_too_short_for_request(tiny_with_tokenizer, tmp_path, capsys):
+    err = bad([str(tiny_with_tokenizer), "--fp8", "--kv-cache-fp8", "--num-calib-samples", "100000",
+               "--calib-seq-len", "512"], tmp_path / "o", capsys)
+    assert "wikipedia:calib has" in err
+
+
+def test_missing_calibration_file(tiny_with_tokenizer, tmp_path, capsys):
+    err = bad([str(tiny_with_tokenizer), "--int4", "--method", "gptq", "--calib", str(tmp_path / "nope.txt")],
+              tmp_path / "o", capsys)
+    assert "not found" in err
+
+
+def test_evaluation_range_refused_for_calibration(tiny_with_tokenizer, tmp_path, capsys):
+    err = bad([str(tiny_with_tokenizer), "--int4", "--method", "gptq", "--calib", "wikipedia:eval"],
+              tmp_path / "o", capsys)
+    assert "eval range" in err
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--fp8", "--method", "gptq", "--act-order"], "act-order needs an integer"),
+    (["--int4", "--act-order"], "add --method gptq"),
+    (["--int4", "--dampening", "0.1"], "add --method gptq"),
+    (["--int4", "--num-calib-samples", "8"], "needs calibration"),
+    (["--int4", "--method", "gptq", "--dampening", "2"], "dampening"),
+    (["--int4", "--method", "gptq", "--num-calib-samples", "0"], "positive"),
+])
+def test_bad_flags(flags, needle, tiny_with_tokenizer, tmp_path, capsys):
+    assert needle in bad([str(tiny_with_tokenizer), *flags], tmp_path / "o", capsys)
