@@ -32,6 +32,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calib", metavar="TEXT_OR_FILE", help="calibration text: wikipedia:calib (default) or a file")
     p.add_argument("--eval-tokens", type=int, default=4096,
                    help="unhealed perplexity on this many wikipedia:eval tokens, before and after (0: skip)")
+    p.add_argument("--heal-steps", type=int, metavar="S",
+                   help="then heal S steps (compress heal's defaults, the original model as teacher)")
     p.add_argument("--force", action="store_true", help="overwrite an existing output")
 
 
@@ -55,6 +57,34 @@ def run(args: argparse.Namespace) -> int:
         calib=args.calib,
     )
     source = resolve_model(args.model)
-    result = convert(source, spec, args.out, force=args.force)
-    print_summary(source, result, spec, args.eval_tokens)
+    if args.heal_steps is None:
+        result = convert(source, spec, args.out, force=args.force)
+        print_summary(source, result, spec, args.eval_tokens)
+        return 0
+    return _convert_then_heal(source, spec, args)
+
+
+def _convert_then_heal(source, spec, args: argparse.Namespace) -> int:
+    import tempfile
+    from pathlib import Path
+
+    from attention_variants.convert import convert
+    from attention_variants.heal import HealSpec, heal
+    from attention_variants.summary import eval_perplexity, print_summary
+    from compress.atomic import check_output_dir
+    from compress.errors import KvslimError
+
+    if args.heal_steps < 1:
+        raise KvslimError("--heal-steps must be at least 1")
+    out = Path(args.out).expanduser().resolve()
+    check_output_dir(out, args.force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.unhealed-", dir=out.parent) as tmp:
+        result = convert(source, spec, Path(tmp) / "converted")
+        print_summary(source, result, spec, args.eval_tokens)
+        healed = heal(result.out, source, HealSpec(steps=args.heal_steps), out, force=args.force)
+    print(f"  healed {healed.steps} steps ({healed.tokens} tokens of {healed.data}, {healed.train_seconds / 60:.1f} min): "
+          f"KL {healed.first_loss:.4f} -> {healed.last_loss:.4f}")
+    if args.eval_tokens > 0:
+        print(f"  healed: {eval_perplexity(out, args.eval_tokens).describe()}")
     return 0

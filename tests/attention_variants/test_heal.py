@@ -93,3 +93,13 @@ def test_other_tokenizer_is_refused(pair, tmp_path, default_model_dir):
     tok.write_text(json.dumps(data))
     with pytest.raises(KvslimError, match="vocabulary differs"):
         heal(student, other, SPEC, tmp_path / "out")
+
+
+def test_convert_heal_steps_shortcut(pair, tmp_path, capsys):
+    teacher, _ = pair
+    out = tmp_path / "out"
+    assert main(["convert", str(teacher), "--mqa", "--merge", "mean", "--heal-steps", "2", "--eval-tokens", "0",
+                 "-o", str(out)]) == 0
+    assert "healed 2 steps" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no unhealed copy or training state left behind
