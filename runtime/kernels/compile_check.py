@@ -53,11 +53,12 @@ def _int_variants() -> list[KernelVariant]:
                     "int_weight_matmul_kernel", "runtime.kernels.dequant_matmul",
                     {"x_ptr": "*bf16", "packed_ptr": "*i32", "scale_ptr": "*bf16", "zp_ptr": "*i32",
                      "g_idx_ptr": "*i32", "out_ptr": "*fp32"},
-                    dict(BITS=bits, HAS_ZP=has_zp, HAS_G_IDX=g_idx, TILE_IN_GROUP=not g_idx, **decode), quick))
+                    dict(BITS=bits, HAS_ZP=has_zp, HAS_G_IDX=g_idx, TILE_IN_GROUP=not g_idx,
+                         **{**decode, "BLOCK_K": 64 if g_idx else 128}), quick))
     out.append(KernelVariant("int4 sym per-weight scales bf16 decode", "int_weight_matmul_kernel", "runtime.kernels.dequant_matmul",
                              {"x_ptr": "*bf16", "packed_ptr": "*i32", "scale_ptr": "*bf16", "zp_ptr": "*i32",
                               "g_idx_ptr": "*i32", "out_ptr": "*fp32"},
-                             dict(BITS=4, HAS_ZP=False, HAS_G_IDX=False, TILE_IN_GROUP=False, **decode)))
+                             dict(BITS=4, HAS_ZP=False, HAS_G_IDX=False, TILE_IN_GROUP=False, **{**decode, "BLOCK_K": 64})))
     out.append(KernelVariant("int4 sym fp16 prefill", "int_weight_matmul_kernel", "runtime.kernels.dequant_matmul",
                              {"x_ptr": "*fp16", "packed_ptr": "*i32", "scale_ptr": "*fp16", "zp_ptr": "*i32",
                               "g_idx_ptr": "*i32", "out_ptr": "*fp16"},

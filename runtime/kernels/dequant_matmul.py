@@ -149,7 +149,8 @@ def _launch_plan(
 ) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, splits, k_per_split, num_warps): split K for decode until the grid
     covers the GPU about twice; plain tiles for prefill. With ``group_size`` (a multiple of
-    32), BLOCK_K divides it so each K tile lies within one group."""
+    32), BLOCK_K divides it so each K tile lies within one group; without (act-order), scales
+    are gathered per weight."""
     if M <= DECODE_MAX_M:
         block_m, block_n, block_k = 16, 64, 128
     elif M <= 64:
@@ -159,6 +160,8 @@ def _launch_plan(
     if group_size is not None:
         while group_size % block_k:
             block_k //= 2
+    else:  # per-weight scale gathers: smaller K tiles keep registers from spilling
+        block_k = min(block_k, 64)
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     splits = 1
     if M <= DECODE_MAX_M:
