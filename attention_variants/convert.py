@@ -169,6 +169,8 @@ def convert(
         spec = replace(spec, calib_seq_len=spec.sliding_window + 512)
     if calib is None and spec.needs_calibration:
         calib = calibrate(ckpt, spec)
+    if spec.sliding_window is not None and spec.global_select == "calib" and calib.window != spec.sliding_window:
+        raise KvslimError(f"calibration measured attention beyond window {calib.window}, not {spec.sliding_window}")
     weights = dict(ckpt.iter_tensors())
     weights, config = rewrite(weights, ckpt.config, spec, calib)
     with atomic_output_dir(out, force) as tmp:

@@ -156,6 +156,8 @@ def share_kv(
             continue
         if fit == "calib":
             b, a, _ = _fit(_kv(weights, config, calib, r), _kv(weights, config, calib, s))
+            if config.get("model_type") == "qwen3":
+                b = torch.ones_like(b)  # k_norm sits between k_proj and rotary: no scalar can move into q
             dtype = weights[proj_key(r, "q_proj")].dtype
             wq = heads(augmented(out, r, "q_proj"), d)
             wo = out[proj_key(r, "o_proj")].double().reshape(-1, n_heads, d)

@@ -7,6 +7,7 @@ import torch
 
 from attention_variants.layout import AttentionLayout
 from attention_variants.modeling_files import checkpoint_code_is_ours
+from compress.checkpoint import Checkpoint
 from compress.errors import KvslimError
 from eval.perplexity import PerplexityResult, hf_logits_fn, perplexity, tokenize_range
 from eval.texts import DEFAULT_EVAL
@@ -50,7 +51,8 @@ def print_summary(source: Path, result, spec, eval_tokens: int) -> None:
     owners = len(after.cache_owners())
     print(f"  layout: {after.num_kv_heads} KV heads, {owners}/{after.num_layers} layers own a cache, "
           f"{len(after.sliding_layers())} sliding")
-    for context in sorted({EVAL_CONTEXT, 8192}):
+    max_context = int(Checkpoint.open(source).config.get("max_position_embeddings") or EVAL_CONTEXT)
+    for context in sorted({EVAL_CONTEXT, max_context}):
         b, a = before.kv_bytes_per_token(context, BF16), after.kv_bytes_per_token(context, BF16)
         print(f"  KV cache: {kv_line(before, context)} -> {kv_line(after, context)} ({b / a:.2f}x smaller)")
     if eval_tokens > 0:

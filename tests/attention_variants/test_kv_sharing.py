@@ -20,11 +20,14 @@ def _pairs_see_the_same_kv(weights):
         weights[norm.format(reader)] = weights[norm.format(supplier)].clone()
         for proj in ("k_proj", "v_proj"):
             weights[proj_key(reader, proj)] = weights[proj_key(supplier, proj)].clone()
+        k_norm = f"model.layers.{{}}.self_attn.k_norm.weight"  # Qwen3
+        if k_norm.format(reader) in weights:
+            weights[k_norm.format(reader)] = weights[k_norm.format(supplier)].clone()
 
 
-@pytest.mark.parametrize("merge", ["mean", "calib"])
-def test_paired_layers_with_identical_kv_share_with_unchanged_logits(tiny_llama, tmp_path, merge):
-    src = edit_checkpoint(tiny_llama, tmp_path / "pairs", _pairs_see_the_same_kv)
+@pytest.mark.parametrize("arch,merge", [("llama", "mean"), ("llama", "calib"), ("qwen3", "calib")])
+def test_paired_layers_with_identical_kv_share_with_unchanged_logits(tiny_checkpoints, tmp_path, arch, merge):
+    src = edit_checkpoint(tiny_checkpoints[arch], tmp_path / "pairs", _pairs_see_the_same_kv)
     out = convert_tiny(src, tmp_path / "shared", ConvertSpec(kv_share=2, merge=merge), calibrate=merge == "calib")
     config = config_of(out)
     assert config[KV_SOURCE_KEY] == [0, 0, 2, 2]
