@@ -100,6 +100,8 @@ def _attention_variants() -> list[KernelVariant]:
         ("int8 kv/token prefill window d64", "bf16", "i8", True, True, 64, 3, False, 1, True, False, True),
         ("fp8 kv/scalar prefill softcap d256 mqa", "fp16", "fp8e4nv", True, False, 256, 8, False, 1, True, True, False),
         ("fp16 kv prefill d128 mha", "fp16", "fp16", False, False, 128, 1, False, 1, False, False, False),
+        ("bf16 kv decode split d128 mqa32", "bf16", "bf16", False, False, 128, 32, True, 4, False, False, False),
+        ("int8 kv/token decode window d256 gqa4", "bf16", "i8", True, True, 256, 4, True, 1, True, False, False),
     ]
     for name, qd, cd, quant, per_token, d, qpk, decode, splits, window, softcap, quick in cases:
         block_m = max(16, 1 << (qpk - 1).bit_length()) if decode else max(64, 1 << (qpk - 1).bit_length())
