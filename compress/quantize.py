@@ -29,6 +29,10 @@ from compress.summary import TensorStat, tensor_kind
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_IGNORE = ("lm_head",)
+# A pending shard is held in memory (and copied once more while safetensors serialises it), so the
+# shard size bounds the writer's share of peak memory: 512 MiB keeps a 7B model's quantization
+# under 2 GiB of anonymous memory (benchmarks/quant_streaming_memory.py).
+DEFAULT_MAX_SHARD_BYTES = 512 * 2**20
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
@@ -122,6 +126,7 @@ def quantize_checkpoint(
     force: bool = False,
     progress: bool = True,
     kv_cache_scheme: dict | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> QuantizeResult:
     """Quantize ``source`` (an HF checkpoint directory) into ``out`` (written atomically)."""
     quantizer = quantizer or RTN()
@@ -137,7 +142,7 @@ def quantize_checkpoint(
     targets = set(plan_linears(ckpt, scheme, ignore))
     stats: list[TensorStat] = []
     with atomic_output_dir(out, force=force) as tmp:
-        writer = ShardWriter(tmp)
+        writer = ShardWriter(tmp, max_shard_bytes=max_shard_bytes)
         groups = _ordered(ckpt.names())
         bar = tqdm(groups, desc=f"quantize {scheme.name}", unit="layer", disable=not progress)
         for layer, names in bar:

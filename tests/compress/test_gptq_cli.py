@@ -34,7 +34,7 @@ def test_gptq_cli_end_to_end(tiny_with_tokenizer, tmp_path, capsys):
 def test_calibration_from_a_text_file(tiny_with_tokenizer, tmp_path):
     text = tmp_path / "calib.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 200)
-    rc = main(["quantize", str(tiny_with_tokenizer), "--int8", "--method", "gptq", "--calib", str(text),
+    rc = main(["quantize", str(tiny_with_tokenizer), "--fp8", "--kv-cache-fp8", "--calib", str(text),
                "--num-calib-samples", "2", "--calib-seq-len", "32", "-o", str(tmp_path / "o"), "--no-progress"])
     assert rc == 0
 
