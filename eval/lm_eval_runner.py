@@ -61,20 +61,12 @@ def remote_code_allowed(ckpt: Path) -> bool:
     py_files = sorted(p.name for p in ckpt.glob("*.py"))
     if not py_files:
         return False
-    import importlib.util
-
-    # INTEGRATION POINT: attention_variants/modeling_files.py (the convert issue) provides
-    # is_our_modeling_file(path) -> bool. Until it exists, code-carrying checkpoints are refused.
-    if importlib.util.find_spec("attention_variants.modeling_files") is None:
-        raise KvslimError(
-            f"{ckpt} carries modeling code ({', '.join(py_files)}) that kvslim cannot verify yet; refusing to run it"
-        )
     from attention_variants.modeling_files import is_our_modeling_file
 
     foreign = [name for name in py_files if not is_our_modeling_file(ckpt / name)]
     if foreign:
         raise KvslimError(
-            f"{ckpt}: {', '.join(foreign)} is not one of kvslim's modeling files (sha256 mismatch); "
+            f"{ckpt}: {', '.join(foreign)} is not one of kvslim's modeling files (name or sha256 mismatch); "
             "refusing trust_remote_code"
         )
     return True

@@ -55,6 +55,22 @@ def test_modeling_code_not_ours_is_refused(tiny_with_tokenizer, tmp_path, capsys
     assert "modeling_evil.py" in err and len(err.strip().splitlines()) == 1
 
 
+def test_our_modeling_file_runs_a_tampered_one_is_refused(tiny_with_tokenizer, tmp_path, capsys):
+    out = tmp_path / "shared"
+    convert = ["convert", str(tiny_with_tokenizer), "-o", str(out), "--kv-share", "2", "--merge", "mean",
+               "--kv-share-select", "first", "--eval-tokens", "0"]
+    assert main(convert) == 0
+    assert (out / "modeling_kvslim.py").is_file()
+    args = ["--tasks", "arc_easy", "--limit", "2", "--batch-size", "2"]
+    assert main(["eval", str(out), *args]) == 0
+    tampered = shutil.copytree(out, tmp_path / "tampered")
+    with (tampered / "modeling_kvslim.py").open("a") as f:
+        f.write("# changed\n")
+    capsys.readouterr()
+    assert main(["eval", str(tampered), *args]) == 2
+    assert "modeling_kvslim.py is not one of kvslim's modeling files" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
