@@ -42,8 +42,8 @@ class HealSpec:
     device: str = "cpu"
     seq_len: int = 256
     batch_size: int = 4
-    lr: float = 3e-4
-    warmup_steps: int = 10
+    lr: float = 5e-4
+    warmup_steps: int = 5
     lora_rank: int = 16
     save_every: int = 25
     seed: int = 0

@@ -17,7 +17,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per step")
-    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (warmup, then cosine)")
+    p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (warmup, then cosine)")
     p.add_argument("--eval-tokens", type=int, default=2048,
                    help="perplexity on this many wikipedia:eval tokens before and after (0: skip)")
     p.add_argument("--force", action="store_true", help="overwrite an existing output")
