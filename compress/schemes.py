@@ -14,10 +14,12 @@ name               bits    type   strategy  group   symmetric  on-disk format
 =================  ======  =====  ========  ======  =========  =============================
 
 Deviations from compressed-tensors' presets, on purpose: its ``W4A16``/``W8A16`` presets use
-group 128, which does not divide the default model's hidden size (576 = 4.5 x 128); kvslim's
-INT8 default is per-channel and its INT4 default group is ``DEFAULT_INT4_GROUP_SIZE`` (chosen by
-measurement, see BENCHMARKS.md). Any group size that divides every quantized layer's input
-features can be asked for explicitly.
+group 128, which does not divide the default model's hidden size (576 = 4.5 x 128), so kvslim's
+preset constants use group 64 and INT8 is per-channel. ``compress quantize --int4`` without
+options uses ``default_scheme("int4")``: asymmetric, group ``DEFAULT_INT4_GROUP_SIZE`` = 32, the
+best of {32, 64} x {sym, asym} on perplexity (BENCHMARKS.md, "Weight quantization quality
+(RTN)"). Any group size that divides every quantized layer's input features can be asked for
+explicitly.
 """
 from __future__ import annotations
 
@@ -32,9 +34,11 @@ Strategy = Literal["channel", "group"]
 FLOAT_QUANTIZED = "float-quantized"
 PACK_QUANTIZED = "pack-quantized"
 
-# The INT4 default (group size, symmetric), measured on the default model: see BENCHMARKS.md,
-# section "Weight quantization quality (RTN)".
-DEFAULT_INT4_GROUP_SIZE = 64
+# The INT4 default (group size, symmetric), measured on the default model (RTN, wikipedia:eval
+# first 2048 tokens): asym g32 +26.4% ppl, asym g64 +35.6%, sym g32 +44.0%, sym g64 +50.7%.
+# See BENCHMARKS.md, section "Weight quantization quality (RTN)".
+PRESET_INT4_GROUP_SIZE = 64
+DEFAULT_INT4_GROUP_SIZE = 32
 DEFAULT_INT4_SYMMETRIC = False
 
 
@@ -175,8 +179,8 @@ FP8_TOKEN_DYNAMIC = ActivationQuant(num_bits=8, type="float", strategy="token", 
 
 FP8_DYNAMIC = QuantScheme("FP8_DYNAMIC", 8, "float", "channel", None, True, FP8_TOKEN_DYNAMIC)
 W8A16 = QuantScheme("W8A16", 8, "int", "channel", None, True)
-W4A16 = QuantScheme("W4A16", 4, "int", "group", DEFAULT_INT4_GROUP_SIZE, True)
-W4A16_ASYM = QuantScheme("W4A16_ASYM", 4, "int", "group", DEFAULT_INT4_GROUP_SIZE, False)
+W4A16 = QuantScheme("W4A16", 4, "int", "group", PRESET_INT4_GROUP_SIZE, True)
+W4A16_ASYM = QuantScheme("W4A16_ASYM", 4, "int", "group", PRESET_INT4_GROUP_SIZE, False)
 
 PRESETS: dict[str, QuantScheme] = {s.name: s for s in (FP8_DYNAMIC, W8A16, W4A16, W4A16_ASYM)}
 
@@ -187,7 +191,7 @@ def default_scheme(kind: Literal["fp8", "int8", "int4"]) -> QuantScheme:
         return FP8_DYNAMIC
     if kind == "int8":
         return W8A16
-    return W4A16 if DEFAULT_INT4_SYMMETRIC else W4A16_ASYM
+    return W4A16.with_options(group_size=DEFAULT_INT4_GROUP_SIZE, symmetric=DEFAULT_INT4_SYMMETRIC)
 
 
 def scheme_from_config_group(group: dict) -> QuantScheme:

@@ -12,7 +12,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     kind.add_argument("--int8", dest="kind", action="store_const", const="int8",
                       help="INT8 weight-only, per-channel symmetric by default (W8A16, pack-quantized)")
     kind.add_argument("--int4", dest="kind", action="store_const", const="int4",
-                      help="INT4 weight-only, group-wise (W4A16[_ASYM], pack-quantized); default group 64 asymmetric")
+                      help="INT4 weight-only, group-wise (W4A16[_ASYM], pack-quantized); default group 32 asymmetric")
     p.add_argument("--group-size", type=int, default=None, metavar="N",
                    help="INT8/INT4: input columns per scale (must divide every quantized layer's input features)")
     sym = p.add_mutually_exclusive_group()

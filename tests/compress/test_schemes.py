@@ -47,4 +47,6 @@ def test_group_check_names_the_layer():
 def test_defaults():
     assert default_scheme("fp8") is FP8_DYNAMIC
     assert default_scheme("int8") is W8A16
-    assert default_scheme("int4").num_bits == 4
+    int4 = default_scheme("int4")
+    assert (int4.name, int4.group_size, int4.symmetric) == ("W4A16_ASYM", 32, False)
+    int4.check_input_features(576, "q_proj")  # the default model's hidden size
