@@ -50,7 +50,8 @@ def test_decode_split_merges_to_the_unsplit_result(device):
     b = make_paged_batch([37, 20], [1, 1], 4, 2, 16, torch.float32, None, device=device)
     one = pa.paged_attention(*b.args(), scale=0.25, num_splits=1)
     many = pa.paged_attention(*b.args(), scale=0.25, num_splits=4)
-    torch.testing.assert_close(one, many, rtol=1e-5, atol=1e-5)
+    tol = 1e-2 if device.type == "cuda" else 1e-5  # tf32 dots on GPU
+    torch.testing.assert_close(one, many, rtol=tol, atol=tol)
 
 
 def test_shared_kv_layer_reads_the_owner_cache():
