@@ -14,6 +14,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--stats", action="store_true", help="print weight bytes and KV bytes per token")
 
@@ -33,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
         top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
     )
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
-    llm = LLM(checkpoint, dtype=args.dtype)
+    llm = LLM(checkpoint, dtype=args.dtype, max_model_len=args.max_model_len)
     if args.chat:
         if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
             raise KvslimError(f"{llm.path}: no chat template in the tokenizer; drop --chat")

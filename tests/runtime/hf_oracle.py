@@ -61,3 +61,22 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+NEAR_TIE = 1e-3  # logit gap below which two greedy choices are a tie up to rounding
+
+
+@torch.no_grad()
+def assert_greedy_matches_hf(model, prompt_ids: list[int], tokens: list[int]) -> int:
+    """Check our greedy ``tokens`` against transformers' argmax, step by step (its own KV cache).
+    Returns how many tokens agreed; a disagreement is allowed only at a near-tie (HF's top-2
+    logits closer than ``NEAR_TIE``), after which the sequences may diverge."""
+    out = model(torch.tensor([prompt_ids]), use_cache=True, logits_to_keep=1)
+    for i, tok in enumerate(tokens):
+        top2 = out.logits[0, -1].float().topk(2)
+        if tok != int(top2.indices[0]):
+            gap = float(top2.values[0] - top2.values[1])
+            assert gap < NEAR_TIE, f"step {i}: ours {tok}, transformers {int(top2.indices[0])} (gap {gap:.2e})"
+            return i
+        out = model(torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
+    return len(tokens)

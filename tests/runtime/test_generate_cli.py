@@ -1,0 +1,61 @@
+"""`compress generate` and text-level generation (tokenizer, stop strings) on a tiny model that
+carries the default model's tokenizer."""
+from __future__ import annotations
+
+import pytest
+
+from compress.cli import main
+from runtime.llm import LLM
+from runtime.sampling import SamplingParams
+from tests.runtime.hf_oracle import single_thread  # noqa: F401
+from tests.tiny_models import make_tiny_checkpoint
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(default_model_dir, tmp_path_factory):
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("tok") / "llama", "llama", tokenizer_from=default_model_dir,
+        vocab_size=49152, tie_word_embeddings=True,
+    )
+
+
+def test_text_generation_and_stop_strings(tiny_with_tokenizer):
+    llm = LLM(tiny_with_tokenizer)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    out = llm.generate("The capital of France is", greedy)[0]
+    assert out.prompt == "The capital of France is"
+    text = out.outputs[0].text
+    assert text == llm.tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    assert stop.strip(), f"pick a visible stop string from {text!r}"
+    cut = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=24, stop=[stop]))[0]
+    assert cut.outputs[0].text == text[: text.index(stop)] and cut.outputs[0].finish_reason == "stop"
+    kept = llm.generate("The capital of France is", SamplingParams(
+        temperature=0, max_tokens=24, stop=[stop], include_stop_str_in_output=True))[0]
+    assert kept.outputs[0].text == text[: text.index(stop) + len(stop)]
+
+
+def test_cli_generate_with_stats(tiny_with_tokenizer, capsys):
+    rc = main(["generate", str(tiny_with_tokenizer), "Hello there", "--max-tokens", "5", "--stats"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "weights:" in out and "MiB resident" in out
+    # 4 layers x 2 x 2 KV heads x 32 x 4 bytes = 2 KiB per token (fp32)
+    assert "kv cache: 2.00 KiB/token" in out
+    assert "5 generated" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "{ckpt}", ""], "prompt 0 is empty"),
+    (["generate", "/no/such/dir", "hi"], "no such file or directory"),
+    (["generate", "{ckpt}", "a", "b"], "expected [CKPT] PROMPT"),
+    (["generate", "{ckpt}", "hi", "--top-p", "2"], "top_p must be in (0, 1]"),
+    (["generate", "{ckpt}", "hi " * 40, "--max-model-len", "16"], "longer than the context of 16"),
+])
+def test_cli_errors_are_one_line_exit_2(tiny_with_tokenizer, capsys, argv, message):
+    rc = main([a.replace("{ckpt}", str(tiny_with_tokenizer)) for a in argv])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert message in err and err.count("\n") == 1 and err.startswith("compress generate: error:")
