@@ -177,24 +177,28 @@ class KVCache:
         self._store(lc.v_cache, lc.v_scale, v, slot_mapping)
 
     def _store(self, cache: torch.Tensor, scale: torch.Tensor | None, x: torch.Tensor, slots: torch.Tensor) -> None:
-        flat = cache.view(-1, *cache.shape[2:])
         if scale is None:
-            flat[slots] = x.to(cache.dtype)
+            q = x.to(cache.dtype)
         elif scale.dim() == 0:
-            flat[slots] = quantize_static(x, scale, cache.dtype)
+            q = quantize_static(x, scale, cache.dtype)
         else:
             q, s = quantize_per_token_head(x, cache.dtype)
-            flat[slots] = q
-            scale.view(-1, scale.shape[-1])[slots] = s
+            scale.view(-1, scale.shape[-1]).index_copy_(0, slots, s)
+        if q.dtype == torch.float8_e4m3fn:  # CPU index_copy_ has no fp8 kernel: copy the bytes
+            cache, q = cache.view(torch.uint8), q.view(torch.uint8)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, q)
 
     def gather(self, layer: int, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``blocks [..., nb]`` (physical ids) -> ``[..., nb * block_size, kvh, D]``."""
         lc = self.layers[layer]
         out = []
+        flat_ids = blocks.reshape(-1)
         for cache, scale in ((lc.k_cache, lc.k_scale), (lc.v_cache, lc.v_scale)):
-            x = cache[blocks]  # [..., nb, bs, kvh, D]
+            x = cache.index_select(0, flat_ids).view(*blocks.shape, *cache.shape[1:])  # [..., nb, bs, kvh, D]
             if scale is not None:
-                x = dequantize(x, scale[blocks] if scale.dim() else scale, dtype)
+                if scale.dim():
+                    scale = scale.index_select(0, flat_ids).view(*blocks.shape, *scale.shape[1:])
+                x = dequantize(x, scale, dtype)
             elif x.dtype != dtype:
                 x = x.to(dtype)
             out.append(x.flatten(-4, -3))

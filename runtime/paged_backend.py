@@ -4,7 +4,8 @@ The engine builds a ``PagedBatch`` per step (from the scheduler's output and the
 and hands it to the backend with ``set_batch``; the decoder then calls ``attend`` per layer.
 Sequences decoding one token are attended together (their blocks gathered into one padded
 batch); sequences with several new tokens (prefill chunks) one at a time, over their cached
-prefix plus the chunk. Quantized caches are dequantized on read; math is fp32.
+prefix plus the chunk. Quantized caches are dequantized on read to q's dtype; SDPA does the
+math (fp32 accumulation); logit softcap takes a plain fp32 path.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from runtime.attention_backend import AttentionParams
 from runtime.block_manager import RELEASED
@@ -80,23 +82,30 @@ class PagedBatch:
 
 
 def _attend(
-    q: torch.Tensor,  # [S, Tq, H, D] fp32
-    k: torch.Tensor,  # [S, Tk, KVH, D] fp32
+    q: torch.Tensor,  # [S, Tq, H, D]
+    k: torch.Tensor,  # [S, Tk, KVH, D] (dequantized to q's dtype)
     v: torch.Tensor,
-    allowed: torch.Tensor,  # [S, Tq, Tk] bool
+    allowed: torch.Tensor,  # [S, Tq, Tk] bool; every query row allows at least its own key
     params: AttentionParams,
 ) -> torch.Tensor:
     s, tq, h, d = q.shape
     kvh = k.shape[2]
+    if params.softcap is None:
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed.unsqueeze(1),
+            scale=params.scale, enable_gqa=h != kvh,
+        )  # [S, H, Tq, D]
+        return out.transpose(1, 2)
+    dtype = q.dtype
+    q, k, v = q.float(), k.float(), v.float()  # the softcap path in fp32, as reference_attention
     qh = q.view(s, tq, kvh, h // kvh, d).permute(0, 2, 3, 1, 4)  # [S, KVH, rep, Tq, D]
     kt = k.permute(0, 2, 3, 1).unsqueeze(2)  # [S, KVH, 1, D, Tk]
     scores = torch.matmul(qh, kt) * params.scale  # [S, KVH, rep, Tq, Tk]
-    if params.softcap is not None:
-        scores = torch.tanh(scores / params.softcap) * params.softcap
+    scores = torch.tanh(scores / params.softcap) * params.softcap
     scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, v.permute(0, 2, 1, 3).unsqueeze(2))  # [S, KVH, rep, Tq, D]
-    return out.permute(0, 3, 1, 2, 4).reshape(s, tq, h, d)
+    return out.permute(0, 3, 1, 2, 4).reshape(s, tq, h, d).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -169,14 +178,15 @@ class PagedAttentionBackend:
         if key not in self._plans:
             self._plans[key] = _plan(batch, batch.block_tables[g], params.window)
         plan = self._plans[key]
+        if plan.decode_blocks is not None and not plan.chunks:  # a pure decode step
+            kk, vv = self.cache.gather(layer_idx, plan.decode_blocks, q.dtype)
+            return _attend(q.unsqueeze(1), kk, vv, plan.decode_allowed, params).squeeze(1)
         out = torch.empty_like(q)
         if plan.decode_blocks is not None:
             rows = batch.decode_rows
-            kk, vv = self.cache.gather(layer_idx, plan.decode_blocks, torch.float32)
-            o = _attend(q[rows].float().unsqueeze(1), kk, vv, plan.decode_allowed, params)
-            out[rows] = o.squeeze(1).to(q.dtype)
+            kk, vv = self.cache.gather(layer_idx, plan.decode_blocks, q.dtype)
+            out[rows] = _attend(q[rows].unsqueeze(1), kk, vv, plan.decode_allowed, params).squeeze(1)
         for _, rows, blocks, allowed in plan.chunks:
-            kk, vv = self.cache.gather(layer_idx, blocks, torch.float32)
-            o = _attend(q[rows].float().unsqueeze(0), kk, vv, allowed, params)
-            out[rows] = o.squeeze(0).to(q.dtype)
+            kk, vv = self.cache.gather(layer_idx, blocks, q.dtype)
+            out[rows] = _attend(q[rows].unsqueeze(0), kk, vv, allowed, params).squeeze(0)
         return out
