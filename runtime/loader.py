@@ -70,9 +70,11 @@ class CheckpointWeights:
         return make_linear(name, tensors, scheme, self.dtype, self.use_cpu_kernels)
 
     def _unused_by_design(self, name: str) -> bool:
-        """KV-cache scales, and a KV reader's own k/v projections and k_norm (it uses its source
-        layer's K/V; transformers ignores them too)."""
+        """KV-cache scales, a tied model's redundant ``lm_head.weight``, and a KV reader's own
+        k/v projections and k_norm (it uses its source layer's K/V; transformers ignores them too)."""
         if any(p.match(name) for p in IGNORABLE):
+            return True
+        if name == "lm_head.weight" and self.spec.tie_word_embeddings:
             return True
         m = _READER_TENSOR.match(name)
         return m is not None and self.spec.attention.layers[int(m.group(1))].kv_source != int(m.group(1))

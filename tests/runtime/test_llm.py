@@ -163,3 +163,10 @@ def test_weight_and_kv_facts(llama_llm):
     assert llama_llm.weight_bytes() == 4 * n_params
     # 4 layers x 2 (K, V) x 2 heads x 32 dims x 4 bytes
     assert llama_llm.kv_bytes_per_token(100) == 4 * 2 * 2 * 32 * 4
+
+
+def test_tied_checkpoint_may_carry_a_redundant_lm_head(tiny_checkpoints, tmp_path):
+    src = tiny_checkpoints["gemma3_text"]  # tied
+    embed = load_file(src / "model.safetensors")["model.embed_tokens.weight"]
+    llm = LLM(_with_extra(src, tmp_path / "tied", "lm_head.weight", embed.clone()))
+    assert (llm.score(PROMPTS[0]) - LLM(src).score(PROMPTS[0])).abs().max() == 0
