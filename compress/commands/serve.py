@@ -12,6 +12,7 @@ import argparse
 import ipaddress
 import os
 import sys
+from pathlib import Path
 
 from compress.errors import KvslimError
 
@@ -95,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
     dtype_bytes = torch.empty((), dtype=KV_TORCH_DTYPES[group.kv_dtype]).element_size()
     footprint = KVFootprint.of(layout, dtype_bytes, engine.kv_spec.scale_bytes(group), original, engine.max_model_len)
 
-    model_name = args.served_model_name or (source if args.checkpoint is None else path.name)
+    # A known name (smollm2) is the model id; a directory or file is known by its name.
+    model_name = args.served_model_name or (path.name if Path(source).exists() else source)
     max_queue = args.max_queue or 4 * args.max_num_seqs
     app = create_app(ThreadedEngine(engine), tokenizer, model_name, footprint, api_key=api_key, max_queue=max_queue)
     if not _is_loopback(args.host):
