@@ -205,3 +205,18 @@ def test_weights_stay_compressed_in_memory(quantized, name, dtype):
         expected += t.numel() * (t.element_size() if packed else elem)
     resident = live_weight_bytes(load_model(quantized[name], dtype))
     assert abs(resident - expected) <= 0.10 * expected, (resident, expected)
+
+
+def test_converted_then_quantized_matches_dequantized_reference(tiny_checkpoints, tmp_path):
+    """Stages compose: KV sharing + hybrid window (convert), then INT4 (quantize); the oracle is
+    the modeling file run on the dequantized weights."""
+    from attention_variants.convert import ConvertSpec, convert
+
+    converted = convert(tiny_checkpoints["llama"], ConvertSpec(kv_share=2, merge="mean", sliding_window=8,
+                                                                 global_every=4), tmp_path / "conv").out
+    quant = quantize_checkpoint(converted, tmp_path / "q", W4A16_ASYM, progress=False).out
+    dense = _dense_copy(quant, tmp_path / "dense")
+    ids = torch.randint(0, 512, (24,), generator=torch.Generator().manual_seed(4))
+    ref = hf_logits(hf_model(dense, ours=True), ids)
+    got = runtime_logits(load_model(quant, "float32"), ids, (10,))
+    assert (got - ref).abs().max().item() <= 1e-4
