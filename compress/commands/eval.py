@@ -22,7 +22,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ppl-tokens", type=int, help="tokens per perplexity entry (default 8192)")
     p.add_argument("--baseline", metavar="CKPT", help="compare against this checkpoint and apply the recovery gates")
     p.add_argument("--scheme", default="default", help="which gates of eval/gates.yaml apply (default: default)")
-    p.add_argument("--backend", default="hf", help="model backend: hf (lm-eval's own transformers model)")
+    p.add_argument("--backend", default="hf", help="model backend: hf (lm-eval's own transformers model) or kvslim (kvslim's engine: as served)")
     p.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size (default 8)")
     p.add_argument("--no-cache", action="store_true", help="re-run even when cached results exist")
 
