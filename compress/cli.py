@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "serve": "serve a checkpoint over an OpenAI-compatible HTTP API (streaming, /metrics)",
     "bench": "benchmarks: `bench serve` load-tests a running server (TTFT, TPOT, ITL, tok/s)",
     "eval": "lm-eval tasks + perplexity on the offline pack; --baseline applies recovery gates",
+    "report": "compare checkpoints: weight/KV bytes, KV capacity, perplexity, accuracy, decode tok/s (table + PNG)",
 }
 
 

@@ -1,0 +1,198 @@
+"""Side-by-side report of checkpoints: bytes vs quality vs speed, measured on kvslim's runtime.
+
+Per checkpoint: weight bytes (safetensors on disk), KV bytes per token (the shared formula at
+``seq_len``), KV capacity (``runtime.kv_report``: ``seq_len``-token sequences admitted into a
+``budget`` cache until allocation fails), perplexity and task accuracy (``compress eval``'s pack
+through the ``kvslim`` backend, cached per checkpoint), recovery vs the first checkpoint, and
+aggregate decode tokens/s of the engine. Rendered as one Markdown table and one PNG.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from compress.errors import KvslimError
+from eval.perplexity_task import PERPLEXITY_TASKS
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ReportSettings:
+    """What the numbers depend on (printed under the table)."""
+
+    tasks: tuple[str, ...]
+    limit: int | None  # docs per lm-eval task (None: the pack's fixed per-task limits)
+    perplexity_tokens: int
+    kv_budget_bytes: int = GIB
+    seq_len: int = 2048
+    decode_batch: int = 8
+    decode_prompt_tokens: int = 64
+    decode_new_tokens: int = 32
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class CheckpointRow:
+    name: str
+    path: str
+    weight_bytes: int
+    kv_dtype: str
+    kv_bytes_per_token: float
+    kv_capacity_seqs: int
+    perplexity: float | None
+    perplexity_detail: str | None
+    accuracy: dict[str, float]  # lm-eval task -> primary metric
+    decode_tokens_per_s: float
+
+
+def weight_bytes(ckpt: Path) -> int:
+    """Bytes of the checkpoint's safetensors files (what is stored and loaded)."""
+    return sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
+
+
+def served_kv_dtype(config: dict) -> str:
+    """The KV dtype a deployment would use: the checkpoint's FP8/INT8 KV scheme, else bf16."""
+    from runtime.engine import kv_dtype_from_scheme
+
+    return kv_dtype_from_scheme((config.get("quantization_config") or {}).get("kv_cache_scheme")) or "bf16"
+
+
+def decode_tokens_per_s(ckpt: Path, s: ReportSettings) -> float:
+    """Aggregate decode tokens/s of the engine: ``decode_batch`` concurrent requests with
+    ``decode_prompt_tokens``-token prompts from ``wikipedia:eval``; (time for prompt +
+    ``decode_new_tokens``) minus (time for prompt + 1), per generated token after the first."""
+    from runtime.engine import Engine, EngineConfig
+    from runtime.sampling import SamplingParams
+
+    engine = Engine.from_checkpoint(ckpt, EngineConfig(dtype=s.dtype, max_num_seqs=s.decode_batch,
+                                                       enable_prefix_caching=False))
+    ids = _eval_token_ids(ckpt, s.decode_batch * s.decode_prompt_tokens)
+    prompts = [ids[i * s.decode_prompt_tokens:(i + 1) * s.decode_prompt_tokens] for i in range(s.decode_batch)]
+
+    def timed(n: int) -> float:
+        start = time.perf_counter()
+        engine.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        return time.perf_counter() - start
+
+    timed(2)  # warm-up
+    prefill = timed(1)
+    full = timed(s.decode_new_tokens + 1)
+    return s.decode_batch * s.decode_new_tokens / max(full - prefill, 1e-9)
+
+
+def _eval_token_ids(ckpt: Path, n: int) -> list[int]:
+    from transformers import AutoTokenizer
+
+    from eval.perplexity import tokenize_range
+
+    ids = tokenize_range(AutoTokenizer.from_pretrained(str(ckpt)), "wikipedia:eval", n).tolist()
+    if len(ids) < n:
+        raise KvslimError(f"wikipedia:eval has only {len(ids)} tokens, {n} needed")
+    return ids
+
+
+def measure(name: str, ckpt: Path, s: ReportSettings, use_cache: bool = True) -> CheckpointRow:
+    """Every figure of one checkpoint (the eval part is cached by ``compress eval``)."""
+    from compress.commands.eval import _evaluate
+    from eval.lm_eval_runner import EvalPlan
+    from runtime.kv_report import report_variant
+
+    config = json.loads((ckpt / "config.json").read_text())
+    kv_dtype = served_kv_dtype(config)
+    kv = report_variant(name, config, kv_dtype, s.kv_budget_bytes, s.seq_len)
+    plan = EvalPlan.make(list(s.tasks), s.limit, s.perplexity_tokens, 8)
+    results, _ = _evaluate(str(ckpt), plan, "kvslim", use_cache)
+    ppl_name = next((t for t in s.tasks if t in PERPLEXITY_TASKS), None)
+    ppl = results.scores[ppl_name] if ppl_name else None
+    accuracy = {t: sc.value for t, sc in results.scores.items() if t not in PERPLEXITY_TASKS}
+    return CheckpointRow(
+        name=name, path=str(ckpt), weight_bytes=weight_bytes(ckpt), kv_dtype=kv_dtype,
+        kv_bytes_per_token=kv.formula_bytes_per_token, kv_capacity_seqs=kv.capacity_seqs,
+        perplexity=ppl.value if ppl else None, perplexity_detail=ppl.detail if ppl else None,
+        accuracy=accuracy, decode_tokens_per_s=decode_tokens_per_s(ckpt, s),
+    )
+
+
+def mean_accuracy(row: CheckpointRow) -> float | None:
+    return sum(row.accuracy.values()) / len(row.accuracy) if row.accuracy else None
+
+
+def recovery(row: CheckpointRow, base: CheckpointRow) -> float | None:
+    """Mean over tasks of accuracy / the baseline's accuracy (tasks where the baseline scores > 0)."""
+    ratios = [row.accuracy[t] / base.accuracy[t] for t in row.accuracy if base.accuracy.get(t)]
+    return sum(ratios) / len(ratios) if ratios else None
+
+
+def markdown_table(rows: list[CheckpointRow], s: ReportSettings) -> str:
+    """The table (first row is the baseline of the recovery column) and the settings under it."""
+    tasks = list(rows[0].accuracy)
+    head = (["checkpoint", "weights MiB", "KV dtype", "KV B/token", f"KV capacity (seqs)", "perplexity"]
+            + [f"{t} acc" for t in tasks] + ["mean acc", "recovery", "decode tok/s"])
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    base = rows[0]
+    for r in rows:
+        acc, rec = mean_accuracy(r), recovery(r, base)
+        cells = [r.name, f"{r.weight_bytes / MIB:,.1f}", r.kv_dtype, f"{r.kv_bytes_per_token:,.0f}",
+                 f"{r.kv_capacity_seqs:,}", "-" if r.perplexity is None else f"{r.perplexity:,.2f}"]
+        cells += [f"{r.accuracy[t]:.3f}" for t in tasks]
+        cells += ["-" if acc is None else f"{acc:.3f}", "-" if rec is None else f"{rec:.1%}",
+                  f"{r.decode_tokens_per_s:,.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    limit = "the pack's fixed per-task limits" if s.limit is None else f"first {s.limit} docs per task"
+    lines += [
+        "",
+        f"- KV B/token: the shared formula at {s.seq_len} tokens, in the KV dtype served (the checkpoint's "
+        f"kv_cache_scheme, else bf16). KV capacity: {s.seq_len}-token sequences admitted into a "
+        f"{s.kv_budget_bytes / GIB:g} GiB paged cache until allocation fails (runtime/kv_report.py).",
+        f"- Perplexity: {rows[0].perplexity_detail or 'not measured'} (eval/perplexity.py, kvslim runtime, "
+        f"{s.dtype}). Accuracy: lm-eval 0-shot, {limit}, on kvslim's engine (`--backend kvslim`); "
+        f"recovery = mean over tasks of accuracy / {base.name}'s.",
+        f"- Decode tok/s: kvslim engine ({s.dtype} activations), {s.decode_batch} concurrent requests, "
+        f"{s.decode_prompt_tokens}-token prompts of wikipedia:eval, {s.decode_new_tokens} new tokens; "
+        "aggregate generated tokens/s after the first token.",
+    ]
+    return "\n".join(lines)
+
+
+def plot(rows: list[CheckpointRow], path: Path, s: ReportSettings) -> None:
+    """One PNG: six bar panels, one per figure, checkpoints on the x axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r.name for r in rows]
+    panels = [
+        ("Weights (MiB, on disk)", [r.weight_bytes / MIB for r in rows], "{:,.0f}"),
+        (f"KV cache (bytes/token)", [r.kv_bytes_per_token for r in rows], "{:,.0f}"),
+        (f"KV capacity ({s.seq_len}-token seqs in {s.kv_budget_bytes / GIB:g} GiB)", [r.kv_capacity_seqs for r in rows], "{:,.0f}"),
+        ("Perplexity (wikipedia:eval, lower is better)", [r.perplexity or 0.0 for r in rows], "{:,.1f}"),
+        ("Mean task accuracy (0-shot)", [mean_accuracy(r) or 0.0 for r in rows], "{:.3f}"),
+        (f"Decode (tokens/s, {s.decode_batch} concurrent)", [r.decode_tokens_per_s for r in rows], "{:,.0f}"),
+    ]
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (title, values, fmt) in zip(axes.flat, panels):
+        bars = ax.bar(range(len(rows)), values, color=[colors[i % len(colors)] for i in range(len(rows))])
+        ax.set_title(title, fontsize=11)
+        ax.set_xticks(range(len(rows)), names, rotation=20, ha="right", fontsize=9)
+        ax.bar_label(bars, labels=[fmt.format(v) for v in values], fontsize=8, padding=2)
+        ax.set_ylim(0, max(values + [1e-9]) * 1.18)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle("kvslim: bytes, quality and speed per checkpoint (measured on the kvslim runtime)", fontsize=13)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def write_report(rows: list[CheckpointRow], out: Path, s: ReportSettings) -> tuple[Path, Path]:
+    """report.md, report.png and report.json into ``out`` (an existing directory)."""
+    md, png = out / "report.md", out / "report.png"
+    md.write_text(markdown_table(rows, s) + "\n")
+    plot(rows, png, s)
+    (out / "report.json").write_text(json.dumps({"settings": asdict(s), "rows": [asdict(r) for r in rows]}, indent=2))
+    return md, png

@@ -1,0 +1,80 @@
+"""`compress report` on tiny checkpoints: the table, the PNG, the recovery column, bad input."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from compress.cli import main
+from eval import results_cache
+from tests.tiny_models import make_tiny_checkpoint
+
+ARGS = ["--tasks", "arc_easy,ppl_wikipedia", "--limit", "3", "--ppl-tokens", "200",
+        "--kv-budget-gib", "0.01", "--decode-batch", "2", "--decode-tokens", "4"]
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory, default_model_dir):
+    root = tmp_path_factory.mktemp("report")
+    base = make_tiny_checkpoint(root / "tiny", "llama", vocab_size=49152, tokenizer_from=default_model_dir)
+    assert main(["quantize", str(base), "--fp8", "--kv-cache-fp8", "--num-calib-samples", "2", "--calib-seq-len", "64",
+                 "-o", str(root / "tiny-fp8"), "--no-progress"]) == 0
+    assert main(["convert", str(base), "--mqa", "--merge", "mean", "--eval-tokens", "0", "-o", str(root / "tiny-mqa")]) == 0
+    return [base, root / "tiny-fp8", root / "tiny-mqa"]
+
+
+@pytest.fixture(autouse=True)
+def private_results(tmp_path, monkeypatch):
+    monkeypatch.setattr(results_cache, "results_dir", lambda: tmp_path / "results")
+
+
+def test_report_table_plot_and_json(variants, tmp_path, capsys):
+    out = tmp_path / "rep"
+    assert main(["report", *map(str, variants), "--names", "orig,fp8,mqa", *ARGS, "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"plot:  {out / 'report.png'}" in printed
+    table = (out / "report.md").read_text()
+    assert table in printed
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| checkpoint")]
+    assert [r.split(" | ")[0] for r in rows] == ["| orig", "| fp8", "| mqa"]
+    assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads((out / "report.json").read_text())
+    orig, fp8, mqa = data["rows"]
+    # FP8 weights are smaller; FP8 KV (declared by --kv-cache-fp8) halves bf16 KV plus scales; MQA halves 2 KV heads
+    assert fp8["weight_bytes"] < orig["weight_bytes"]
+    assert fp8["kv_dtype"] == "fp8_e4m3" and orig["kv_dtype"] == "bf16"
+    assert mqa["kv_bytes_per_token"] == orig["kv_bytes_per_token"] / 2
+    assert mqa["kv_capacity_seqs"] >= 2 * orig["kv_capacity_seqs"] - 1
+    assert all(r["decode_tokens_per_s"] > 0 for r in data["rows"])
+    assert "wikipedia:eval, first 200 tokens" in table
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--names", "a"], "--names has 1 names"),
+    (["--tasks", "ppl_wikipedia,ppl_pydoc"], "at most one perplexity"),
+    (["--decode-batch", "0"], "--decode-batch must be"),
+])
+def test_bad_input_one_line_exit_2(variants, tmp_path, capsys, extra, message):
+    out = tmp_path / "rep"
+    assert main(["report", str(variants[0]), str(variants[1]), *ARGS, *extra, "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not out.exists()
+
+
+def test_existing_output_needs_force(variants, tmp_path, capsys):
+    out = tmp_path / "rep"
+    out.mkdir()
+    assert main(["report", str(variants[0]), *ARGS, "-o", str(out)]) == 2
+    assert "--force" in capsys.readouterr().err
+
+
+def test_recovery_is_mean_ratio_over_tasks_the_baseline_scores():
+    from eval.report import CheckpointRow, recovery
+
+    def row(acc):
+        return CheckpointRow("x", "x", 1, "bf16", 1.0, 1, None, None, acc, 1.0)
+
+    base = row({"a": 0.5, "b": 0.8, "c": 0.0})
+    assert recovery(base, base) == 1.0
+    assert recovery(row({"a": 0.25, "b": 0.8, "c": 0.3}), base) == pytest.approx(0.75)  # c: baseline 0, skipped
