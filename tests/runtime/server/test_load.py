@@ -17,6 +17,7 @@ MODEL = "tiny"
 LOAD_REQUESTS = 200
 LOAD_CONCURRENCY = 32  # > max_num_seqs (8): requests wait in the engine's queue
 DISCONNECTS = 20
+IMPATIENT = 5  # non-streamed clients that time out
 WALL_LIMIT_S = 90.0
 
 
@@ -52,10 +53,31 @@ def test_saturation_200_requests_no_errors_then_no_blocks_in_use(server):
                 async with gate:
                     return await _completion(client, i)
 
-            return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(LOAD_REQUESTS))), WALL_LIMIT_S)
+            async def watch(done: asyncio.Event) -> tuple[float, float]:
+                """/metrics answers while the engine is busy; the most running / waiting seen."""
+                most_running = most_waiting = 0.0
+                while not done.is_set():
+                    text = (await client.get("/metrics")).text
+                    for line in text.splitlines():
+                        if line.startswith("kvslim_num_requests_running "):
+                            most_running = max(most_running, float(line.split()[1]))
+                        if line.startswith("kvslim_num_requests_waiting "):
+                            most_waiting = max(most_waiting, float(line.split()[1]))
+                    await asyncio.sleep(0.2)
+                return most_running, most_waiting
+
+            done = asyncio.Event()
+            watcher = asyncio.create_task(watch(done))
+            try:
+                results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(LOAD_REQUESTS))),
+                                                 WALL_LIMIT_S)
+            finally:
+                done.set()
+            return results, await watcher
 
     before = server.metrics()
-    results = asyncio.run(run())
+    results, (most_running, most_waiting) = asyncio.run(run())
+    assert most_running == 8 and most_waiting > 0  # saturated: a full batch and a queue behind it
     assert [s for s, _ in results] == [200] * LOAD_REQUESTS
     assert [n for _, n in results] == [4 + i % 13 for i in range(LOAD_REQUESTS)]
     m = server.wait_idle()
@@ -84,15 +106,27 @@ def test_clients_disconnecting_mid_stream_free_their_blocks(server):
 
             return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(DISCONNECTS))), WALL_LIMIT_S)
 
+    async def impatient():
+        """Non-streamed requests whose clients give up: the server notices between steps."""
+        async with httpx.AsyncClient(base_url=server.base_url, headers=server.headers, timeout=0.5) as client:
+            async def one(i):
+                body = {"model": MODEL, "prompt": f"Patience {i}", "max_tokens": 200, "ignore_eos": True}
+                with pytest.raises(httpx.ReadTimeout):
+                    await client.post("/v1/completions", json=body)
+
+            await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(IMPATIENT))), WALL_LIMIT_S)
+
     before = server.metrics()
     assert asyncio.run(run()) == [2] * DISCONNECTS
+    asyncio.run(impatient())
     m = server.wait_idle()
     assert m['kvslim_kv_blocks_in_use{group="0"}'] == 0
     assert m["kvslim_num_requests_running"] == 0 and m["kvslim_num_requests_waiting"] == 0
     aborted = m.get('kvslim_request_success_total{finish_reason="abort"}', 0)
-    assert aborted - before.get('kvslim_request_success_total{finish_reason="abort"}', 0) == DISCONNECTS
-    # Far fewer tokens than 20 x 200 were generated: the requests really stopped.
-    assert m["kvslim_generation_tokens_total"] - before["kvslim_generation_tokens_total"] < DISCONNECTS * 200 / 2
+    assert aborted - before.get('kvslim_request_success_total{finish_reason="abort"}', 0) == DISCONNECTS + IMPATIENT
+    # Far fewer tokens than 200 per request were generated: the requests really stopped.
+    generated = m["kvslim_generation_tokens_total"] - before["kvslim_generation_tokens_total"]
+    assert generated < (DISCONNECTS + IMPATIENT) * 200 / 2
 
 
 @pytest.fixture
