@@ -30,38 +30,35 @@ def real_prompts(tokenizer, n: int) -> list[list[int]]:
     return [ids[i * PROMPT_TOKENS:(i + 1) * PROMPT_TOKENS] for i in range(n)]
 
 
-def run_engine(model_dir: Path, dtype: str, prompts: list[list[int]], kv_dtype: str | None) -> dict:
+def run_engine(model_dir: Path, dtype: str, prompts: list[list[int]], new_tokens: int) -> dict:
     from runtime.engine import Engine, EngineConfig
     from runtime.sampling import SamplingParams
 
     engine = Engine.from_checkpoint(model_dir, EngineConfig(
-        dtype=dtype, kv_dtype=kv_dtype, max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=512,
+        dtype=dtype, max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=512,
         kv_cache_bytes=1 << 30, enable_prefix_caching=False,
     ))
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     engine.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
     t0 = time.perf_counter()
-    first_done = None
     outs = {}
     for o in engine.stream(prompts, params):
-        if first_done is None:
-            first_done = time.perf_counter()  # every prompt is prefilled by the first token of the last
         if o.finished:
             outs[o.request_id] = o
     wall = time.perf_counter() - t0
     generated = sum(len(o.token_ids) for o in outs.values())
-    assert generated == NEW_TOKENS * len(prompts)
+    assert generated == new_tokens * len(prompts)
     return {"wall_s": wall, "generated": generated, "tok_s": generated / wall,
-            "kv_dtype": engine.kv_spec.groups[0].kv_dtype}
+            "kv_dtype": engine.kv_spec.groups[0].kv_dtype, "preemptions": engine.stats.preemptions}
 
 
-def run_hf(model_dir: Path, dtype: str, prompts: list[list[int]]) -> dict:
+def run_hf(model_dir: Path, dtype: str, prompts: list[list[int]], new_tokens: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     ids = torch.tensor(prompts)  # equal lengths: the padded batch needs no pad tokens here
     mask = torch.ones_like(ids)
-    kw = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     with torch.inference_mode():
         model.generate(ids[:1, :16], attention_mask=mask[:1, :16], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
         t0 = time.perf_counter()
@@ -71,7 +68,7 @@ def run_hf(model_dir: Path, dtype: str, prompts: list[list[int]]) -> dict:
     return {"wall_s": wall, "generated": generated, "tok_s": generated / wall}
 
 
-def run_llama_cpp(gguf: Path, prompts: list[list[int]]) -> dict:
+def run_llama_cpp(gguf: Path, prompts: list[list[int]], new_tokens: int) -> dict:
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(gguf), n_ctx=512, n_threads=torch.get_num_threads(), verbose=False)
@@ -81,7 +78,7 @@ def run_llama_cpp(gguf: Path, prompts: list[list[int]]) -> dict:
         llm.reset()
         for i, _tok in enumerate(llm.generate(p, temp=0.0)):
             generated += 1
-            if i + 1 == NEW_TOKENS:
+            if i + 1 == new_tokens:
                 break
     wall = time.perf_counter() - t0
     return {"wall_s": wall, "generated": generated, "tok_s": generated / wall}
@@ -94,6 +91,7 @@ def main() -> int:
     ap.add_argument("--engine-dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--hf-dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="tokens generated per request")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -107,11 +105,11 @@ def main() -> int:
     rows = []
     for c in args.concurrency:
         for dt in args.engine_dtypes:
-            r = run_engine(model_dir, dt, prompts[:c], None)
+            r = run_engine(model_dir, dt, prompts[:c], args.new_tokens)
             rows.append({"peer": "kvslim engine", "dtype": f"{dt} (KV {r.pop('kv_dtype')})", "concurrency": c, **r})
             print(rows[-1], flush=True)
         for dt in args.hf_dtypes:
-            rows.append({"peer": "HF generate", "dtype": dt, "concurrency": c, **run_hf(model_dir, dt, prompts[:c])})
+            rows.append({"peer": "HF generate", "dtype": dt, "concurrency": c, **run_hf(model_dir, dt, prompts[:c], args.new_tokens)})
             print(rows[-1], flush=True)
     skipped = None
     if importlib.util.find_spec("llama_cpp") is None:
@@ -121,10 +119,10 @@ def main() -> int:
         gguf = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
         for c in args.concurrency:
             rows.append({"peer": "llama-cpp-python", "dtype": "Q4_1 GGUF", "concurrency": c,
-                         **run_llama_cpp(gguf, prompts[:c])})
+                         **run_llama_cpp(gguf, prompts[:c], args.new_tokens)})
             print(rows[-1], flush=True)
 
-    print(f"\nAggregate generated tok/s, {PROMPT_TOKENS}-token wikipedia:eval prompts, {NEW_TOKENS} new tokens "
+    print(f"\nAggregate generated tok/s, {PROMPT_TOKENS}-token wikipedia:eval prompts, {args.new_tokens} new tokens "
           f"each, greedy, {args.threads} threads ({platform.processor() or platform.machine()})")
     print(f"{'peer':18s} {'dtype':28s} " + " ".join(f"{'c=' + str(c):>9s}" for c in args.concurrency))
     for peer in dict.fromkeys(r["peer"] for r in rows):
@@ -147,7 +145,7 @@ def main() -> int:
         print(skipped)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"rows": rows, "best": best, "llama_cpp": skipped or "measured"}, indent=2))
+        args.json.write_text(json.dumps({"new_tokens": args.new_tokens, "threads": args.threads, "rows": rows, "best": best, "llama_cpp": skipped or "measured"}, indent=2))
     return 0
 
 
