@@ -86,7 +86,8 @@ class ThreadedEngine:
             num_waiting=len(e.scheduler.waiting),
             blocks_in_use=tuple(p.num_blocks - p.num_free for p in pools),
             blocks_total=tuple(p.num_blocks for p in pools),
-            prefix_cache_hit_rate=e.block_manager.prefix_hit_rate,
+            prefix_cache_queried_tokens=e.block_manager.prefix_queried_tokens,
+            prefix_cache_hit_tokens=e.block_manager.prefix_hit_tokens,
             num_preemptions=e.stats.preemptions,
         )
 

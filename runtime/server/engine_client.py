@@ -22,8 +22,14 @@ class EngineSnapshot:
     num_waiting: int
     blocks_in_use: tuple[int, ...]  # per cache group, blocks with a live reference
     blocks_total: tuple[int, ...]
-    prefix_cache_hit_rate: float  # prompt tokens served from the prefix cache / tokens looked up
+    prefix_cache_queried_tokens: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hit_tokens: int  # of which served from cached blocks
     num_preemptions: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_cache_queried_tokens
+        return self.prefix_cache_hit_tokens / q if q else 0.0
 
     @property
     def kv_usage(self) -> float:

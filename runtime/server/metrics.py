@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from attention_variants.layout import AttentionLayout
@@ -50,7 +50,7 @@ class _EngineCollector(Collector):
         self.snapshot = snapshot
         self.footprint = footprint
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s = self.snapshot()
         yield GaugeMetricFamily(f"{PREFIX}_num_requests_running", "Requests in the running batch.", s.num_running)
         yield GaugeMetricFamily(f"{PREFIX}_num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
@@ -67,6 +67,10 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily(f"{PREFIX}_prefix_cache_hit_rate",
                                 "Prompt tokens served from the prefix cache / prompt tokens looked up.",
                                 s.prefix_cache_hit_rate)
+        yield CounterMetricFamily(f"{PREFIX}_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                  s.prefix_cache_queried_tokens)
+        yield CounterMetricFamily(f"{PREFIX}_prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                                  s.prefix_cache_hit_tokens)
         yield GaugeMetricFamily(f"{PREFIX}_num_preemptions", "Requests preempted (recomputed) so far.", s.num_preemptions)
         fp = self.footprint
         yield GaugeMetricFamily(f"{PREFIX}_kv_bytes_per_token", "KV cache bytes per token of the served model.",

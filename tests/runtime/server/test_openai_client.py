@@ -157,3 +157,15 @@ def test_greedy_text_equals_the_engine_run_offline(client, tiny_chat_checkpoint)
     served = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
                                        extra_body={"ignore_eos": True})
     assert served.choices[0].text == tok.decode(offline.token_ids, skip_special_tokens=True)
+
+
+def test_shared_system_prompt_is_served_from_the_prefix_cache(server, client):
+    system = "You answer in one word. " + "Background: the quick brown fox jumps over the lazy dog. " * 8
+    before = server.metrics()
+    for question in ("Colour of the sky?", "Colour of grass?"):
+        client.chat.completions.create(model=MODEL, max_tokens=2, temperature=0, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": question}])
+    m = server.metrics()
+    hits = m["kvslim_prefix_cache_hits_total"] - before["kvslim_prefix_cache_hits_total"]
+    assert hits >= 16 * 5  # the second request reuses the shared system prompt's full blocks
+    assert 0 < m["kvslim_prefix_cache_hit_rate"] <= 1
