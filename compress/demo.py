@@ -1,47 +1,79 @@
 """`python -m compress.demo` (what `make demo` runs): the main job end to end on the default model.
 
-Quantizes SmolLM2-135M-Instruct to FP8 and to INT4 (the default group/symmetry) into ``./out/``
-(overwriting earlier demo outputs), inspects both checkpoints and prints the bytes saved.
+SmolLM2-135M-Instruct is quantized (FP8 weights + calibrated FP8 KV cache; INT4 by GPTQ),
+rewritten (MQA + KV shared by pairs of layers) and briefly healed, then every checkpoint is
+evaluated on kvslim's own runtime (lm-eval through the ``kvslim`` backend, small fixed limits)
+and compared by ``compress report``: bytes, KV capacity, quality, decode speed. Outputs go to
+``./out/demo`` (overwritten: it is a demo). Each stage prints the command it runs and its wall time.
 """
 from __future__ import annotations
 
 import os
+import resource
 import sys
+import time
 from pathlib import Path
 
-OUT = Path("out")
-RUNS = (("--fp8", "smollm2-fp8"), ("--int4", "smollm2-int4"))
+OUT = Path("out/demo")
+MODEL = "smollm2"
+TASKS = "arc_easy,hellaswag,piqa,ppl_wikipedia"
+# Small fixed sizes, so the demo stays within ~20 minutes on 2 idle cores (BENCHMARKS.md has the stage times).
+LIMIT = 30  # docs per lm-eval task
+PPL_TOKENS = 2048  # wikipedia:eval tokens
+HEAL_STEPS = 20  # x 4 x 256 tokens of wikipedia:heal
+KV_CALIB_SAMPLES = 8  # x 512 tokens of wikipedia:calib for the FP8 KV scales
+GPTQ_CALIB_SAMPLES = 16  # x 512 tokens of wikipedia:calib for GPTQ's Hessians
 
 
-def _dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+def stages() -> list[tuple[str, list[str]]]:
+    """(banner, compress argv) per stage, in order."""
+    fp8, int4, mqa = (str(OUT / n) for n in ("smollm2-fp8", "smollm2-int4-gptq", "smollm2-mqa-kv2"))
+    eval_args = ["--backend", "kvslim", "--tasks", TASKS, "--limit", str(LIMIT), "--ppl-tokens", str(PPL_TOKENS)]
+    return [
+        ("quantize: FP8 weights + calibrated FP8 KV cache",
+         ["quantize", MODEL, "--fp8", "--kv-cache-fp8", "--num-calib-samples", str(KV_CALIB_SAMPLES), "-o", fp8, "--force"]),
+        ("quantize: INT4 weights by GPTQ",
+         ["quantize", MODEL, "--int4", "--method", "gptq", "--num-calib-samples", str(GPTQ_CALIB_SAMPLES), "-o", int4, "--force"]),
+        (f"convert: MQA + KV shared by pairs of layers, healed {HEAL_STEPS} steps",
+         ["convert", MODEL, "--mqa", "--kv-share", "2", "--heal-steps", str(HEAL_STEPS), "--eval-tokens", "0",
+          "-o", mqa, "--force"]),
+        *[(f"eval on the kvslim runtime: {Path(c).name}", ["eval", c, *eval_args]) for c in (MODEL, fp8, int4, mqa)],
+        ("report",
+         ["report", MODEL, fp8, int4, mqa, "--names", "original,fp8+fp8kv,int4-gptq,mqa+kv-share2",
+          "--tasks", TASKS, "--limit", str(LIMIT), "--ppl-tokens", str(PPL_TOKENS), "-o", str(OUT / "report"), "--force"]),
+    ]
+
+
+def _cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def main() -> int:
     import torch
 
     from compress.cli import main as compress
-    from compress.inspection import inspect_checkpoint
-    from compress.model_source import resolve_model
 
     torch.set_num_threads(min(4, os.cpu_count() or 1))
-    source = resolve_model("smollm2")
-    print(f"default model: SmolLM2-135M-Instruct at {source}\n")
-    for flag, name in RUNS:
-        print(f"$ compress quantize smollm2 {flag} -o {OUT / name} --force")
-        if compress(["quantize", "smollm2", flag, "-o", str(OUT / name), "--force"]) != 0:
-            return 1
-        print(f"\n$ compress inspect {OUT / name}")
-        if compress(["inspect", str(OUT / name)]) != 0:
-            return 1
-        print()
-    src_bytes = _dir_bytes(source)
-    bf16 = inspect_checkpoint(source).num_params * 2
-    print(f"bytes saved (source {src_bytes / 2**20:,.1f} MiB as stored in fp32; {bf16 / 2**20:,.1f} MiB in bf16):")
-    for flag, name in RUNS:
-        out_bytes = _dir_bytes(OUT / name)
-        print(f"  {name:<14} {out_bytes / 2**20:8,.1f} MiB: {(src_bytes - out_bytes) / 2**20:,.1f} MiB saved vs the source, "
-              f"{bf16 / out_bytes:.2f}x smaller than bf16 (embeddings and norms stay fp32)")
+    OUT.mkdir(parents=True, exist_ok=True)
+    timings = []
+    start = time.perf_counter()
+    for i, (title, argv) in enumerate(stages(), 1):
+        print(f"\n=== [{i}/{len(stages())}] {title}\n$ compress {' '.join(argv)}", flush=True)
+        t0, c0 = time.perf_counter(), _cpu_seconds()
+        code = compress(argv)
+        seconds, cpu = time.perf_counter() - t0, _cpu_seconds() - c0
+        timings.append((title, seconds, cpu))
+        print(f"=== [{i}] {title}: {seconds:,.0f} s wall, {cpu:,.0f} s CPU", flush=True)
+        if code != 0:
+            print(f"demo: stage failed with exit code {code}", file=sys.stderr)
+            return code
+    print(f"\nstage times ({(time.perf_counter() - start) / 60:.1f} min wall in all; CPU seconds / 2 is the wall time on 2 idle cores):")
+    for title, seconds, cpu in timings:
+        print(f"  {seconds:7,.0f} s wall {cpu:7,.0f} s CPU  {title}")
+    print()
+    print((OUT / "report" / "report.md").read_text())
+    print(f"table: {OUT / 'report' / 'report.md'}\nplot:  {OUT / 'report' / 'report.png'}")
     return 0
 
 
