@@ -36,6 +36,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=1024, help="wikipedia:eval tokens per evaluation")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences of 256 tokens per step")
     parser.add_argument("--out", default="benchmarks/results/heal_curve.json")
     args = parser.parse_args()
 
@@ -82,14 +83,14 @@ def main() -> int:
                     print(f"{label}: {p['minutes']} min, {p['tokens']} tokens, loss {p['loss']}, ppl {p['ppl']:.2f}", flush=True)
 
             t = time.time()
-            heal(converted, source, HealSpec(minutes=args.minutes, device=args.device),
+            heal(converted, source, HealSpec(minutes=args.minutes, device=args.device, batch_size=args.batch_size),
                  Path(tmp) / f"healed{len(curves)}", on_step=on_step)
             curves[label] = dict(points=points, wall_s=round(time.time() - t, 1))
     result = dict(model=args.model, device=args.device, teacher_ppl=teacher_ppl,
                   eval=f"wikipedia:eval, first {args.tokens} tokens, context {CONTEXT}, stride {STRIDE}",
-                  heal="wikipedia:heal, batch 4 x 256 tokens, attention of rewritten layers, KL on logits, "
+                  heal=f"wikipedia:heal, batch {args.batch_size} x 256 tokens, attention of rewritten layers, KL on logits, "
                        f"AdamW lr {HealSpec.lr}, {HealSpec.warmup_steps} warmup steps then cosine over {args.minutes} min "
-                       "(compress heal's defaults)",
+                       "(compress heal's defaults but the batch size)",
                   calibration=calib.describe(), machine=f"{platform.machine()}, 2 threads, shared and noisy",
                   curves=curves)
     out = Path(args.out)
