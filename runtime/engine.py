@@ -8,7 +8,10 @@
 The scheduler decides which sequences run and how many tokens each (continuous batching,
 chunked prefill, preemption); the block manager owns the block tables; this file turns a
 ``SchedulerOutput`` into one flattened decoder call and samples the sequences that reached
-their last token. ``runtime/async_engine.py`` drives it from its own thread for the server.
+their last token. ``runtime/server/engine_adapter.py`` (``ThreadedEngine``) drives it from its
+own thread for the asyncio server. Stop *strings* need text, so the caller that detokenizes
+checks them and calls ``abort``; stop token ids, EOS, ``max_tokens`` and ``max_model_len`` end
+requests here.
 """
 from __future__ import annotations
 
