@@ -186,7 +186,17 @@ class PagedAttentionBackend:
             rows = batch.decode_rows
             kk, vv = self.cache.gather(layer_idx, plan.decode_blocks, q.dtype)
             out[rows] = _attend(q[rows].unsqueeze(1), kk, vv, plan.decode_allowed, params).squeeze(1)
-        for _, rows, blocks, allowed in plan.chunks:
+        lc = self.cache.layers[layer_idx]
+        fresh_ok = k is not None and lc.k_scale is None and lc.k_cache.dtype == q.dtype
+        for i, rows, blocks, allowed in plan.chunks:
+            n = rows.stop - rows.start
+            if fresh_ok and batch.first_positions[i] == 0 and (params.window or n) >= n and params.softcap is None:
+                # A whole prompt in one chunk: its keys are exactly this step's k/v (stored as-is).
+                out[rows] = F.scaled_dot_product_attention(
+                    q[rows].transpose(0, 1), k[rows].transpose(0, 1), v[rows].transpose(0, 1),
+                    is_causal=True, scale=params.scale, enable_gqa=q.shape[1] != k.shape[1],
+                ).transpose(0, 1)
+                continue
             kk, vv = self.cache.gather(layer_idx, blocks, q.dtype)
             out[rows] = _attend(q[rows].unsqueeze(0), kk, vv, allowed, params).squeeze(0)
         return out
