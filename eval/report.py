@@ -149,8 +149,8 @@ def markdown_table(rows: list[CheckpointRow], s: ReportSettings) -> str:
         f"kv_cache_scheme, else bf16). KV capacity: {s.seq_len}-token sequences admitted into a "
         f"{s.kv_budget_bytes / GIB:g} GiB paged cache until allocation fails (runtime/kv_report.py).",
         f"- Perplexity: {rows[0].perplexity_detail or 'not measured'} (eval/perplexity.py, kvslim runtime, "
-        f"{s.dtype}). Accuracy: lm-eval 0-shot, {limit}, on kvslim's engine (`--backend kvslim`); "
-        f"recovery = mean over tasks of accuracy / {base.name}'s.",
+        f"{s.dtype}). " + (f"Accuracy: lm-eval 0-shot, {limit}, on kvslim's engine (`--backend kvslim`); "
+                           f"recovery = mean over tasks of accuracy / {base.name}'s." if tasks else "No lm-eval task."),
         f"- Decode tok/s: kvslim engine ({s.dtype} activations), {s.decode_batch} concurrent requests, "
         f"{s.decode_prompt_tokens}-token prompts of wikipedia:eval, {s.decode_new_tokens} new tokens; "
         "aggregate generated tokens/s after the first token.",
@@ -168,20 +168,26 @@ def plot(rows: list[CheckpointRow], path: Path, s: ReportSettings) -> None:
     names = [r.name for r in rows]
     panels = [
         ("Weights (MiB, on disk)", [r.weight_bytes / MIB for r in rows], "{:,.0f}"),
-        (f"KV cache (bytes/token)", [r.kv_bytes_per_token for r in rows], "{:,.0f}"),
+        ("KV cache (bytes/token)", [r.kv_bytes_per_token for r in rows], "{:,.0f}"),
         (f"KV capacity ({s.seq_len}-token seqs in {s.kv_budget_bytes / GIB:g} GiB)", [r.kv_capacity_seqs for r in rows], "{:,.0f}"),
-        ("Perplexity (wikipedia:eval, lower is better)", [r.perplexity or 0.0 for r in rows], "{:,.1f}"),
-        ("Mean task accuracy (0-shot)", [mean_accuracy(r) or 0.0 for r in rows], "{:.3f}"),
-        (f"Decode (tokens/s, {s.decode_batch} concurrent)", [r.decode_tokens_per_s for r in rows], "{:,.0f}"),
+        ("Perplexity (wikipedia:eval, lower is better)", [r.perplexity for r in rows], "{:,.2f}"),
+        ("Mean task accuracy (0-shot)", [mean_accuracy(r) for r in rows], "{:.3f}"),
+        (f"Decode (tokens/s, {s.decode_batch} concurrent)", [r.decode_tokens_per_s for r in rows], "{:,.1f}"),
     ]
     fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (title, values, fmt) in zip(axes.flat, panels):
-        bars = ax.bar(range(len(rows)), values, color=[colors[i % len(colors)] for i in range(len(rows))])
         ax.set_title(title, fontsize=11)
         ax.set_xticks(range(len(rows)), names, rotation=20, ha="right", fontsize=9)
-        ax.bar_label(bars, labels=[fmt.format(v) for v in values], fontsize=8, padding=2)
-        ax.set_ylim(0, max(values + [1e-9]) * 1.18)
+        if all(v is None for v in values):
+            ax.set_yticks([])
+            ax.set_xlim(-0.5, len(rows) - 0.5)
+            ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes, color="gray")
+            continue
+        heights = [0.0 if v is None else v for v in values]
+        bars = ax.bar(range(len(rows)), heights, color=[colors[i % len(colors)] for i in range(len(rows))])
+        ax.bar_label(bars, labels=["-" if v is None else fmt.format(v) for v in values], fontsize=8, padding=2)
+        ax.set_ylim(0, max(heights) * 1.18 or 1.0)
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle("kvslim: bytes, quality and speed per checkpoint (measured on the kvslim runtime)", fontsize=13)
     fig.tight_layout()
