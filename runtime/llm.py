@@ -4,24 +4,28 @@
     outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
     logits = llm.score(token_ids)               # fp32 [T, vocab], position t predicts token t + 1
 
-Requests run in waves of at most ``max_num_seqs``: each prompt is prefilled (in chunks), then the
-wave decodes together, one flattened step per token, over a ``ContiguousKVCache``. Continuous
-batching and paging are the engine's job (``runtime/engine.py``).
+``generate`` and ``stream`` run on the serving engine (``runtime/engine.py``: paged cache,
+continuous batching, chunked prefill of ``prefill_chunk`` tokens, at most ``max_num_seqs`` running),
+one engine per call sized for its requests; stop strings are matched on the detokenized text here
+and abort the request. ``score`` runs a flattened batch over a ``ContiguousKVCache``.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
 from compress.errors import KvslimError
 from compress.model_source import resolve_model
 from runtime.contiguous_cache import ContiguousKVCache
+from runtime.engine import MODEL_KV_DTYPES, Engine, EngineConfig
+from runtime.engine import RequestOutput as EngineOutput
+from runtime.kv_cache import KVCacheSpec
 from runtime.loader import live_weight_bytes, load_model, resolve_dtype
-from runtime.sampling import SamplingParams, TokenLogprob, find_stop, make_generator, sample, token_logprobs
+from runtime.sampling import SamplingParams, TokenLogprob, find_stop, token_logprobs
 
 PromptInput = str | Sequence[int]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -51,7 +55,6 @@ class _Request:
     prompt: str | None
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None
     out_ids: list[int]
     out_logprobs: list[TokenLogprob]
     cumulative: float = 0.0
@@ -151,25 +154,6 @@ class LLM:
 
     # --- forward passes ----------------------------------------------------------------------
     @torch.inference_mode()
-    def _prefill(self, cache: ContiguousKVCache, seq_id: int, ids: list[int], want_logprobs: int | None):
-        """Run the prompt through the model in chunks; return the last position's logits and,
-        when asked, the prompt logprobs."""
-        prompt_lps: list[TokenLogprob | None] | None = [None] if want_logprobs is not None else None
-        tokens = torch.tensor(ids, dtype=torch.long)
-        last = None
-        for start in range(0, len(ids), self.prefill_chunk):
-            chunk = tokens[start:start + self.prefill_chunk]
-            positions = cache.begin_step([(seq_id, len(chunk))])
-            hidden = self.model(chunk, positions, cache)
-            if prompt_lps is not None:
-                targets = tokens[start + 1:start + 1 + len(chunk)]
-                if len(targets):
-                    logits = self.model.compute_logits(hidden[: len(targets)])
-                    prompt_lps.extend(token_logprobs(logits, targets, want_logprobs))
-            last = hidden[-1:]
-        return self.model.compute_logits(last)[0], prompt_lps
-
-    @torch.inference_mode()
     def score(self, token_ids: Sequence[int] | Sequence[Sequence[int]]) -> torch.Tensor | list[torch.Tensor]:
         """fp32 logits ``[T, vocab]`` for every position of a token sequence (row t predicts
         token t + 1). A list of sequences runs as one flattened batch per chunk of sequences and
@@ -217,6 +201,23 @@ class LLM:
     ) -> list[RequestOutput]:
         """Continue each prompt (text, or a list of token ids); one ``RequestOutput`` per prompt,
         in order."""
+        requests = self._requests(prompts, sampling_params)
+        for _ in self._run(requests):
+            pass
+        return [self._output(r) for r in requests]
+
+    def stream(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        """Yield ``(prompt index, RequestOutput so far)`` whenever a request gains tokens or
+        finishes (its ``finish_reason`` is None until then). Stopping early aborts the rest."""
+        requests = self._requests(prompts, sampling_params)
+        for r in self._run(requests):
+            yield r.index, self._output(r)
+
+    def _requests(self, prompts, sampling_params) -> list[_Request]:
         prompts = self._as_list(prompts)
         if not prompts:
             raise KvslimError("no prompts given")
@@ -233,51 +234,52 @@ class LLM:
                 raise KvslimError("stop strings need a tokenizer; this checkpoint has none")
             text, ids = self._tokenize(prompt, i)
             self._check_length(ids, i)
-            requests.append(_Request(i, text, ids, p, make_generator(p), [], []))
-        for w in range(0, len(requests), self.max_num_seqs):
-            self._run_wave(requests[w:w + self.max_num_seqs])
-        return [self._output(r) for r in requests]
+            requests.append(_Request(i, text, ids, p, [], []))
+        return requests
 
-    @torch.inference_mode()
-    def _run_wave(self, wave: list[_Request]) -> None:
-        cache = ContiguousKVCache(self.spec, self.dtype)
-        running: list[_Request] = []
-        for r in wave:
-            total = min(len(r.prompt_ids) + r.params.max_tokens, self.max_model_len)
-            cache.add_sequence(r.index, total)
-            logits, r.prompt_logprobs = self._prefill(cache, r.index, r.prompt_ids, r.params.prompt_logprobs)
-            self._accept(r, logits[None])
-            if r.finish_reason is None:
-                running.append(r)
-            else:
-                cache.free(r.index)
-        while running:
-            positions = cache.begin_step([(r.index, 1) for r in running])
-            ids = torch.tensor([r.out_ids[-1] for r in running], dtype=torch.long)
-            logits = self.model.compute_logits(self.model(ids, positions, cache))
-            self._accept_batch(running, logits)
-            for r in running:
-                if r.finish_reason is not None:
-                    cache.free(r.index)
-            running = [r for r in running if r.finish_reason is None]
+    def _engine(self, requests: list[_Request]) -> Engine:
+        """An engine over this model, its paged cache sized for these requests (every running
+        sequence at its longest, plus one)."""
+        longest = min(max(len(r.prompt_ids) + r.params.max_tokens for r in requests), self.max_model_len)
+        block = 16
+        kv_spec = KVCacheSpec.from_layout(self.spec.attention, MODEL_KV_DTYPES[self.dtype], block)
+        seq_bytes = sum(kv_spec.max_blocks_per_seq(g, longest) * kv_spec.block_bytes(g) for g in range(len(kv_spec.groups)))
+        seqs = min(len(requests), self.max_num_seqs) + 1
+        config = EngineConfig(
+            dtype=str(self.dtype).removeprefix("torch."), block_size=block, kv_cache_bytes=seq_bytes * seqs,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.prefill_chunk, max_model_len=longest,
+            enable_prefix_caching=True,
+        )
+        return Engine(self.model, config, eos_token_ids=sorted(self.eos_token_ids))
 
-    def _accept(self, r: _Request, logits: torch.Tensor) -> None:
-        self._accept_batch([r], logits)
+    def _run(self, requests: list[_Request]) -> Iterator[_Request]:
+        """Run ``requests`` on a fresh engine; yield each request whenever it changes."""
+        engine = self._engine(requests)
+        by_id = {engine.add_request(r.prompt_ids, r.params): r for r in requests}
+        try:
+            while engine.has_unfinished:
+                for o in engine.step():
+                    r = by_id.get(o.request_id)
+                    if r is None or r.finish_reason is not None:
+                        continue
+                    self._update(r, o)
+                    if r.finish_reason is not None and not o.finished:
+                        engine.abort(o.request_id)  # a stop string ended it
+                    yield r
+        finally:
+            for rid, r in by_id.items():
+                if r.finish_reason is None:
+                    engine.abort(rid)
 
-    def _accept_batch(self, reqs: list[_Request], logits: torch.Tensor) -> None:
-        tokens, lps = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
-        for r, tok, lp in zip(reqs, tokens, lps):
-            r.out_ids.append(tok)
-            if lp is not None:
-                r.out_logprobs.append(lp)
-                r.cumulative += lp.logprob
-            self._check_finished(r, tok)
-
-    def _check_finished(self, r: _Request, tok: int) -> None:
+    def _update(self, r: _Request, o: EngineOutput) -> None:
+        r.out_ids = list(o.token_ids)
+        if o.logprobs is not None:
+            r.out_logprobs = list(o.logprobs)
+            r.cumulative = sum(lp.logprob for lp in r.out_logprobs)
+        if o.prompt_logprobs is not None:
+            r.prompt_logprobs = list(o.prompt_logprobs)
         p = r.params
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
-            r.finish_reason = "stop"
-        elif p.stop:
+        if p.stop and o.new_token_ids:
             before = len(r.text)
             r.text = self.tokenizer.decode(r.out_ids, skip_special_tokens=True)
             hit = find_stop(r.text, p.stop, max(0, before - max(map(len, p.stop))))
@@ -286,10 +288,8 @@ class LLM:
                 r.stop_text = r.text[: j + len(s)] if p.include_stop_str_in_output else r.text[:j]
                 r.finish_reason = "stop"
                 return
-        if r.finish_reason is None and (
-            len(r.out_ids) >= p.max_tokens or len(r.prompt_ids) + len(r.out_ids) >= self.max_model_len
-        ):
-            r.finish_reason = "length"
+        if o.finished:
+            r.finish_reason = o.finish_reason
 
     def _output(self, r: _Request) -> RequestOutput:
         text = r.stop_text
