@@ -174,13 +174,23 @@ class _Batch:
     layer_args: list[tuple[tuple, dict]]  # per layer: the extra args transformers passes
 
 
+# Weight of each calibration window's first token in the Hessians. Windows start mid-text, and
+# the first token becomes an attention sink (massive activations, read by every later token's
+# attention). Plain GPTQ weighs it as 1/seq_len of the data and trades its accuracy away: on
+# SmolLM2-135M INT4 g32 (8 x 512 calibration tokens, wikipedia:eval first 2048 tokens) perplexity
+# was 19.19 with weight 1 vs RTN 18.48; 28.7 without the token; 18.00 with 16; 18.23 with 128.
+SINK_WEIGHT = 16.0
+
+
 class HessianCollector:
     """Forward hooks accumulating ``2/n X^T X`` (fp32) for every Linear of one layer.
 
-    Linears that read the same input tensor (q/k/v, gate/up) share one accumulator.
+    Linears that read the same input tensor (q/k/v, gate/up) share one accumulator. Position 0
+    of every sequence counts ``sink_weight`` times (see ``SINK_WEIGHT``).
     """
 
-    def __init__(self, layer: nn.Module, prefix: str) -> None:
+    def __init__(self, layer: nn.Module, prefix: str, sink_weight: float = SINK_WEIGHT) -> None:
+        self._sink_scale = sink_weight**0.5
         self._sums: dict[str, torch.Tensor] = {}
         self._rows: dict[str, int] = {}
         self.alias: dict[str, str] = {}  # module -> module owning its accumulator
@@ -200,7 +210,11 @@ class HessianCollector:
             owner = self.alias[name]
             if owner != name:
                 return
-            flat = x.reshape(-1, x.shape[-1]).to(torch.float32)
+            x = x.to(torch.float32)
+            if self._sink_scale != 1.0 and x.dim() == 3:
+                x = x.clone()
+                x[:, 0] *= self._sink_scale
+            flat = x.reshape(-1, x.shape[-1])
             if name not in self._sums:
                 self._sums[name] = torch.zeros(flat.shape[1], flat.shape[1])
                 self._rows[name] = 0

@@ -10,7 +10,7 @@ import torch
 from compress.algorithms.gptq import GPTQOptions, gptq_quantize, hessian_from_inputs, with_act_order
 from compress.checkpoint import Checkpoint
 from compress.errors import KvslimError
-from compress.layer_stream import HessianCollector, LayerStream, LazyDecoderStack, SequentialQuantizer
+from compress.layer_stream import SINK_WEIGHT, HessianCollector, LayerStream, LazyDecoderStack, SequentialQuantizer
 from compress.primitives import dequantize_linear, quantize_dequantize
 from compress.quantize import quantize_checkpoint
 from compress.schemes import FP8_DYNAMIC, W4A16, W4A16_ASYM, W8A16
@@ -45,7 +45,8 @@ def test_bf16_weights_keep_bf16_scales():
 
 
 def test_hessian_collector_shares_inputs(tiny_llama):
-    """q/k/v (and gate/up) read one tensor: one Hessian, equal to 2/n X^T X of that input."""
+    """q/k/v (and gate/up) read one tensor: one Hessian, equal to 2/n X^T X of that input with
+    each sequence's first token (the attention sink) counted SINK_WEIGHT times."""
     stream = LayerStream(LazyDecoderStack(Checkpoint.open(tiny_llama)), zipf_ids(2, 16, seed=3))
     hessians, alias = stream.hessians(0)
     p = "model.layers.0."
@@ -54,7 +55,27 @@ def test_hessian_collector_shares_inputs(tiny_llama):
     assert len(hessians) == 4
     layer = stream.stack.load_layer(0, {})
     x = layer.input_layernorm(stream.batches[0].hidden)
-    torch.testing.assert_close(hessians[alias[p + "self_attn.q_proj"]], hessian_from_inputs(x), rtol=1e-5, atol=1e-6)
+    n = x.shape[0] * x.shape[1]
+    weighted = x.clone()
+    weighted[:, 0] *= SINK_WEIGHT**0.5
+    expected = 2.0 / n * weighted.reshape(n, -1).t() @ weighted.reshape(n, -1)
+    torch.testing.assert_close(hessians[alias[p + "self_attn.q_proj"]], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_sink_token_is_weighted_in_the_hessian():
+    """Regression (issue 3): plain GPTQ let the first token of each window (an attention sink on
+    real models) absorb error; its rows must count SINK_WEIGHT times, the others once."""
+    assert SINK_WEIGHT > 1
+    linear = torch.nn.Linear(4, 3, bias=False)
+    x = torch.zeros(2, 5, 4)
+    x[:, 0, 0] = 1.0  # only the sink carries channel 0
+    x[:, 1:, 1] = 1.0  # only the other tokens carry channel 1
+    for weight, sink_expected in ((SINK_WEIGHT, SINK_WEIGHT), (1.0, 1.0)):
+        collector = HessianCollector(torch.nn.ModuleList([linear]), "m", sink_weight=weight)
+        linear(x)
+        h = collector.close()["m.0"]
+        assert float(h[0, 0]) == pytest.approx(2.0 / 10 * 2 * sink_expected)
+        assert float(h[1, 1]) == pytest.approx(2.0 / 10 * 8)
 
 
 def _layer_inputs(stream: LayerStream, layer: int) -> dict[str, torch.Tensor]:
