@@ -170,3 +170,16 @@ def test_tied_checkpoint_may_carry_a_redundant_lm_head(tiny_checkpoints, tmp_pat
     embed = load_file(src / "model.safetensors")["model.embed_tokens.weight"]
     llm = LLM(_with_extra(src, tmp_path / "tied", "lm_head.weight", embed.clone()))
     assert (llm.score(PROMPTS[0]) - LLM(src).score(PROMPTS[0])).abs().max() == 0
+
+
+def test_stream_ends_with_generate_outputs(llama_llm):
+    """The streaming iterator runs the same engine path: its last update per prompt is generate's output."""
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    last = {}
+    for i, out in llama_llm.stream(prompts, params):
+        if last.get(i) is not None:
+            assert len(out.outputs[0].token_ids) >= len(last[i].outputs[0].token_ids)
+        last[i] = out
+    assert [last[i] for i in range(len(prompts))] == llama_llm.generate(prompts, params)
+    assert all(o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == 6 for o in last.values())
