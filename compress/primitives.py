@@ -151,7 +151,8 @@ def pack_int32(values: torch.Tensor, num_bits: int, packed_dim: int = 1) -> torc
     if num_bits == 4:
         pairs = u.reshape(rows, words * 4, 2)
         u = pairs[..., 0] | (pairs[..., 1] << 4)
-    packed = u.contiguous().view(torch.int32).reshape(rows, words)
+    # Flatten first: a [1, n] tensor can be 'contiguous' with stride (1, 1), which view() rejects.
+    packed = u.contiguous().reshape(-1).view(torch.int32).reshape(rows, words)
     return (packed.t() if packed_dim == 0 else packed).contiguous()
 
 

@@ -141,3 +141,12 @@ def test_symmetric_int_errors_are_at_most_a_step():
     assert zp is None and torch.allclose(s, torch.tensor([[1.0 / 127.5]]))
     deq = P.dequantize(P.quantize(w, s, zp, W8A16), s, zp, W8A16)
     assert (deq - w).abs().max() <= s.max()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_along_dim0_of_a_single_column(bits):
+    # [n, 1] transposes to a [1, n] tensor whose strides (1, 1) view() rejects: found by hypothesis.
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    values = torch.arange(32 // bits, dtype=torch.int8).reshape(-1, 1) - 2
+    assert torch.equal(P.pack_int32(values, bits, packed_dim=0), pack_to_int32(values, bits, packed_dim=0))
