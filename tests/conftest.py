@@ -11,6 +11,14 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from hypothesis import settings  # noqa: E402
+
+# CI explores the same examples on every run (a failure there is reproducible, never a coin toss);
+# local runs keep hypothesis' random exploration, which is how new bugs are found.
+settings.register_profile("ci", derandomize=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
+
 from tests.tiny_models import ARCHITECTURES, make_tiny_checkpoint  # noqa: E402
 
 
