@@ -217,6 +217,18 @@ def create_app(
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    async def collect(ids: list[int], params: SamplingParams, request: Request) -> tuple[str, list, str | None, int]:
+        """Run an admitted non-streamed request to its end: (text, logprobs, finish_reason, tokens)."""
+        text, lps, finish, n_out = "", [], None, 0
+        try:
+            async for step in steps(ids, params, request, poll_disconnect=True):
+                text += step.text
+                lps += step.logprobs
+                finish, n_out = step.finish_reason, step.completion_tokens
+        finally:
+            admission.release()
+        return text, lps, finish, n_out
+
     async def admitted(body: AsyncIterator[str]) -> AsyncIterator[str]:
         """Release the admission slot however the body ends."""
         try:
@@ -267,14 +279,7 @@ def create_app(
         admission.acquire()
         if req.stream:
             return await start_stream(completion_events(rid, created_at, req, ids, params, request))
-        try:
-            text, lps, finish, n_out = "", [], None, 0
-            async for step in steps(ids, params, request, poll_disconnect=True):
-                text += step.text
-                lps += step.logprobs
-                finish, n_out = step.finish_reason, step.completion_tokens
-        finally:
-            admission.release()
+        text, lps, finish, n_out = await collect(ids, params, request)
         choice = CompletionChoice(text=text, finish_reason=finish,
                                   logprobs=completion_logprobs(lps, 0) if req.logprobs is not None else None)
         return CompletionResponse(id=rid, created=created_at, model=model_name, choices=[choice],
@@ -318,14 +323,7 @@ def create_app(
         admission.acquire()
         if req.stream:
             return await start_stream(chat_events(rid, created_at, req, ids, params, request))
-        try:
-            text, lps, finish, n_out = "", [], None, 0
-            async for step in steps(ids, params, request, poll_disconnect=True):
-                text += step.text
-                lps += step.logprobs
-                finish, n_out = step.finish_reason, step.completion_tokens
-        finally:
-            admission.release()
+        text, lps, finish, n_out = await collect(ids, params, request)
         choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish,
                             logprobs=chat_logprobs(lps) if req.logprobs else None)
         return ChatCompletionResponse(id=rid, created=created_at, model=model_name, choices=[choice],
