@@ -4,9 +4,12 @@ For each rewrite (calibrated convert, one shared calibration capture of 2 x 1024
 ``wikipedia:calib``), heal with ``compress heal``'s defaults (attention of the rewritten layers,
 KL on logits, ``wikipedia:heal``) for ``--minutes`` of training time, and evaluate the student
 at each mark (evaluation time excluded) on the first ``--tokens`` of ``wikipedia:eval``
-(context 512, stride 256). Writes a JSON table and a PNG.
+(context 512, stride 256) and on one lm-eval task of the pack (``--task``, first ``--task-limit``
+docs). Minutes are CPU minutes by default (process CPU time / threads: the wall time on idle
+cores, so a shared machine does not shrink the budget); the wall time is recorded beside them.
+Writes a JSON table and a PNG.
 
-    python benchmarks/heal_curve.py [--minutes 10] [--marks 2.5,5,10] [--device cpu]
+    python benchmarks/heal_curve.py [--minutes 20] [--marks 5,10,20] [--device cpu]
 """
 from __future__ import annotations
 
@@ -31,8 +34,11 @@ CONTEXT, STRIDE = 512, 256
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--minutes", type=float, default=10.0)
-    parser.add_argument("--marks", default="2.5,5,10", help="training minutes at which to evaluate")
+    parser.add_argument("--minutes", type=float, default=20.0)
+    parser.add_argument("--marks", default="5,10,20", help="training minutes at which to evaluate")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
+    parser.add_argument("--task", default="lambada_openai", help="lm-eval task of the pack scored at each mark")
+    parser.add_argument("--task-limit", type=int, default=200)
     parser.add_argument("--tokens", type=int, default=1024, help="wikipedia:eval tokens per evaluation")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--device", default="cpu")
@@ -55,44 +61,66 @@ def main() -> int:
     tokenizer = AutoTokenizer.from_pretrained(source)
     eval_ids = tokenize_range(tokenizer, "wikipedia:eval", max_tokens=args.tokens)
 
+    from lm_eval.api.registry import get_model
+
+    from eval.lm_eval_runner import EvalModel, EvalPlan, _lm_eval_scores
+
+    plan = EvalPlan.make([args.task], args.task_limit, None, 8)
+
     def ppl(model) -> float:
         return perplexity(hf_logits_fn(model), eval_ids, "wikipedia:eval", CONTEXT, STRIDE).perplexity
+
+    def task_score(model) -> float:
+        lm = get_model("hf")(pretrained=model, tokenizer=tokenizer, batch_size=8, device=args.device)
+        return _lm_eval_scores(EvalModel(lm, hf_logits_fn(model), tokenizer), plan)[args.task].value
+
+    def measure(model) -> dict:
+        return dict(ppl=ppl(model), task=task_score(model))
 
     original = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     name, calib_ids = calibration_batches(tokenizer, None, 2, 1024)
     calib = capture_attention_inputs(original, calib_ids, name)
-    teacher_ppl = ppl(original)
+    teacher = measure(original)
     del original
-    print(f"original: ppl {teacher_ppl:.3f}", flush=True)
+    print(f"original: ppl {teacher['ppl']:.3f}, {args.task} {teacher['task']:.3f}", flush=True)
     marks = [float(m) for m in args.marks.split(",")]
     curves = {}
     with tempfile.TemporaryDirectory(prefix="heal-curve-") as tmp:
         for label in args.configs.split(","):
             converted = Path(tmp) / f"conv{len(curves)}"
             convert(source, ConvertSpec(**CONFIGS[label]), converted, calib=calib)
-            points = [dict(minutes=0.0, tokens=0, loss=None, ppl=ppl(load_for_eval(converted)))]
-            print(f"{label}: 0.0 min ppl {points[0]['ppl']:.2f}", flush=True)
+            points = [dict(minutes=0.0, wall_minutes=0.0, tokens=0, loss=None, **measure(load_for_eval(converted)))]
+            print(f"{label}: 0.0 min ppl {points[0]['ppl']:.2f} {args.task} {points[0]['task']:.3f}", flush=True)
             pending = list(marks)
 
             def on_step(report, model):
                 if pending and report.train_seconds >= 60 * pending[0]:
                     pending.pop(0)
-                    p = dict(minutes=round(report.train_seconds / 60, 2), tokens=report.tokens,
-                             loss=round(report.loss, 4), ppl=ppl(model))
+                    p = dict(minutes=round(report.train_seconds / 60, 2), wall_minutes=round(report.wall_seconds / 60, 2),
+                             tokens=report.tokens, loss=round(report.loss, 4), **measure(model))
                     points.append(p)
-                    print(f"{label}: {p['minutes']} min, {p['tokens']} tokens, loss {p['loss']}, ppl {p['ppl']:.2f}", flush=True)
+                    print(f"{label}: {p['minutes']} min ({p['wall_minutes']} wall), {p['tokens']} tokens, "
+                          f"loss {p['loss']}, ppl {p['ppl']:.2f}, {args.task} {p['task']:.3f}", flush=True)
 
             t = time.time()
-            heal(converted, source, HealSpec(minutes=args.minutes, device=args.device, batch_size=args.batch_size),
+            spec = HealSpec(minutes=args.minutes, clock=args.clock, device=args.device, batch_size=args.batch_size)
+            heal(converted, source, spec,
                  Path(tmp) / f"healed{len(curves)}", on_step=on_step)
             curves[label] = dict(points=points, wall_s=round(time.time() - t, 1))
-    result = dict(model=args.model, device=args.device, teacher_ppl=teacher_ppl,
-                  eval=f"wikipedia:eval, first {args.tokens} tokens, context {CONTEXT}, stride {STRIDE}",
-                  heal=f"wikipedia:heal, batch {args.batch_size} x 256 tokens, attention of rewritten layers, KL on logits, "
-                       f"AdamW lr {HealSpec.lr}, {HealSpec.warmup_steps} warmup steps then cosine over {args.minutes} min "
-                       "(compress heal's defaults but the batch size)",
-                  calibration=calib.describe(), machine=f"{platform.machine()}, 2 threads, shared and noisy",
-                  curves=curves)
+            write(args, dict(
+                model=args.model, device=args.device, teacher_ppl=teacher["ppl"], teacher_task=teacher["task"],
+                clock=args.clock, task=f"{args.task}, first {plan.limits[args.task]} docs, 0-shot",
+                eval=f"wikipedia:eval, first {args.tokens} tokens, context {CONTEXT}, stride {STRIDE}",
+                heal=f"wikipedia:heal, batch {args.batch_size} x 256 tokens, attention of rewritten layers, KL on logits, "
+                     f"AdamW lr {HealSpec.lr}, {HealSpec.warmup_steps} warmup steps then cosine over {args.minutes} "
+                     f"{args.clock} minutes",
+                calibration=calib.describe(), machine=f"{platform.machine()}, {torch.get_num_threads()} threads",
+                curves=curves))
+    return 0
+
+
+def write(args, result: dict) -> None:
+    """The JSON table and a two-panel PNG (perplexity, task score) against healing minutes."""
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
@@ -101,18 +129,24 @@ def main() -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label, c in curves.items():
-        ax.plot([p["minutes"] for p in c["points"]], [p["ppl"] for p in c["points"]], marker="o", label=label)
-    ax.axhline(teacher_ppl, color="k", linestyle="--", label="original")
-    ax.set_yscale("log")
-    ax.set_xlabel(f"healing minutes ({args.device}, shared machine)")
-    ax.set_ylabel("perplexity, wikipedia:eval")
-    ax.legend()
+    fig, (ax_ppl, ax_task) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, c in result["curves"].items():
+        minutes = [p["minutes"] for p in c["points"]]
+        ax_ppl.plot(minutes, [p["ppl"] for p in c["points"]], marker="o", label=label)
+        ax_task.plot(minutes, [p["task"] for p in c["points"]], marker="o", label=label)
+    for ax, ref, ylabel in ((ax_ppl, result["teacher_ppl"], f"perplexity ({result['eval']})"),
+                            (ax_task, result["teacher_task"], f"accuracy ({result['task']})")):
+        ax.axhline(ref, color="k", linestyle="--", label="original")
+        ax.set_xlabel(f"healing minutes ({args.device}, {args.clock} clock)")
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    ax_ppl.axhline(1.10 * result["teacher_ppl"], color="g", linestyle=":", label="+10%")
+    ax_ppl.set_yscale("log")
+    fig.suptitle(f"Healing {result['model']}: {result['heal']}", fontsize=8)
     fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=100)
-    print(f"wrote {out} and {out.with_suffix('.png')}")
-    return 0
+    fig.savefig(out.with_suffix(".png"), dpi=110)
+    print(f"wrote {out} and {out.with_suffix('.png')}", flush=True)
 
 
 if __name__ == "__main__":

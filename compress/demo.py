@@ -14,6 +14,10 @@ import sys
 import time
 from pathlib import Path
 
+# OpenMP workers that spin-wait make 2 threads 10-30x slower as soon as anything else runs on the
+# cores; sleeping waits cost little on an idle machine. Set before torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 OUT = Path("out/demo")
 MODEL = "smollm2"
 TASKS = "arc_easy,hellaswag,piqa,ppl_wikipedia"

@@ -91,6 +91,16 @@ def test_resume_continues_the_same_run(pair, spec, tmp_path):
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-5)
 
 
+def test_cpu_clock_budget_counts_cpu_time_and_stops(pair, spec, tmp_path):
+    teacher, student = pair
+    reports = []
+    budget = replace(spec, steps=None, minutes=0.002, clock="cpu")  # 0.12 CPU-seconds: a step or two
+    result = heal(student, teacher, budget, tmp_path / "out", on_step=lambda r, _m: reports.append(r))
+    assert 1 <= result.steps < 20
+    assert result.train_seconds >= 0.12
+    assert all(0 < r.train_seconds and 0 < r.wall_seconds for r in reports)
+
+
 def test_distill_loss_is_zero_for_identical_logits():
     x = torch.randn(2, 5, 11)
     assert float(distill_loss(x, x)) == pytest.approx(0.0, abs=1e-6)
