@@ -25,6 +25,7 @@ from typing import Callable, Protocol
 import torch
 from torch import nn
 
+from compress.algorithms.gptq import DEFAULT_SINK_WEIGHT
 from compress.checkpoint import Checkpoint
 from compress.errors import KvslimError
 
@@ -179,7 +180,7 @@ class _Batch:
 # attention). Plain GPTQ weighs it as 1/seq_len of the data and trades its accuracy away: on
 # SmolLM2-135M INT4 g32 (8 x 512 calibration tokens, wikipedia:eval first 2048 tokens) perplexity
 # was 19.19 with weight 1 vs RTN 18.48; 28.7 without the token; 18.00 with 16; 18.23 with 128.
-SINK_WEIGHT = 16.0
+SINK_WEIGHT = DEFAULT_SINK_WEIGHT
 
 
 class HessianCollector:
@@ -277,11 +278,11 @@ class LayerStream:
         return out[0] if isinstance(out, tuple) else out
 
     @torch.no_grad()
-    def hessians(self, i: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    def hessians(self, i: int, sink_weight: float = SINK_WEIGHT) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """Input Hessians of layer ``i``'s Linears: ``({owner: H}, {module: owner})``."""
         self._check(i)
         layer = self.stack.load_layer(i, {})
-        collector = HessianCollector(layer, self.stack.layer_prefix(i))
+        collector = HessianCollector(layer, self.stack.layer_prefix(i), sink_weight)
         for batch in self.batches:
             self._run(i, layer, batch)
             collector.end_batch()
@@ -373,7 +374,7 @@ class SequentialQuantizer:
             self._hessians = {"lm_head": h.mul_(2.0 / rows)}
             self._alias = {"lm_head": "lm_head"}
         else:
-            self._hessians, self._alias = self.stream.hessians(layer)
+            self._hessians, self._alias = self.stream.hessians(layer, self.options.sink_weight)
 
     def _take_hessian(self, module: str) -> torch.Tensor:
         owner = self._alias.get(module)

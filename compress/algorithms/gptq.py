@@ -29,6 +29,8 @@ from compress.schemes import QuantScheme
 
 DEFAULT_DAMPENING = 0.01
 DEFAULT_BLOCK_SIZE = 128
+# Weight of each calibration window's first token in the Hessians (see compress.layer_stream).
+DEFAULT_SINK_WEIGHT = 16.0
 
 
 @dataclass(frozen=True)
@@ -36,12 +38,15 @@ class GPTQOptions:
     dampening: float = DEFAULT_DAMPENING
     block_size: int = DEFAULT_BLOCK_SIZE
     act_order: bool = False
+    sink_weight: float = DEFAULT_SINK_WEIGHT
 
     def __post_init__(self) -> None:
         if not 0 < self.dampening < 1:
             raise KvslimError(f"--dampening must be in (0, 1), got {self.dampening}")
         if self.block_size <= 0:
             raise KvslimError(f"GPTQ block size must be positive, got {self.block_size}")
+        if self.sink_weight <= 0:
+            raise KvslimError(f"GPTQ sink weight must be positive, got {self.sink_weight}")
 
 
 @dataclass(frozen=True)

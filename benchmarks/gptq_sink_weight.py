@@ -1,0 +1,80 @@
+"""Choose GPTQ's sink weight on calibration text only (never on evaluation text).
+
+    python benchmarks/gptq_sink_weight.py [--weights 1,4,16,64] [--samples 64] [--dev-tokens 4096]
+
+For each candidate weight of a calibration window's first token in the Hessians
+(``GPTQOptions.sink_weight``), quantize the default model to INT4 (``--int4``'s scheme) by GPTQ on
+the first ``--samples`` x 512 tokens of ``wikipedia:calib`` and score perplexity (context 512,
+stride 256) on the next ``--dev-tokens`` tokens of ``wikipedia:calib``, which no calibration
+window covers. ``wikipedia:eval`` is not read. Writes ``benchmarks/results/gptq_sink_weight.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from compress.algorithms.gptq import GPTQOptions
+from compress.calibration import CalibrationSpec
+from compress.layer_stream import calibrated_quantizer
+from compress.model_source import resolve_model
+from compress.quantize import quantize_checkpoint
+from compress.schemes import default_scheme
+from eval.perplexity import DEFAULT_CONTEXT, DEFAULT_STRIDE, hf_logits_fn, perplexity, tokenize_range
+
+CALIB = "wikipedia:calib"
+SEQ_LEN = 512
+RESULTS = Path(__file__).parent / "results" / "gptq_sink_weight.json"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--weights", default="1,4,16,64")
+    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--dev-tokens", type=int, default=4096)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig
+
+    src = resolve_model("smollm2")
+    start = args.samples * SEQ_LEN
+    ids = tokenize_range(AutoTokenizer.from_pretrained(src), CALIB, max_tokens=start + args.dev_tokens)
+    dev = ids[start:]
+    if dev.numel() < args.dev_tokens:
+        raise SystemExit(f"{CALIB} holds {ids.numel()} tokens: too few for {args.samples} windows + {args.dev_tokens} dev tokens")
+    dev_name = f"{CALIB} tokens [{start}, {start + dev.numel()})"
+
+    def score(model) -> float:
+        return perplexity(hf_logits_fn(model), dev, dev_name, DEFAULT_CONTEXT, DEFAULT_STRIDE, progress=False).perplexity
+
+    rows = {"original": score(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval())}
+    print(f"original: {rows['original']:.3f} on {dev_name}", flush=True)
+    calib = CalibrationSpec(CALIB, args.samples, SEQ_LEN)
+    with tempfile.TemporaryDirectory(prefix="kvslim-sink-") as work:
+        for weight in (float(w) for w in args.weights.split(",")):
+            t = time.perf_counter()
+            quantizer = calibrated_quantizer(src, "gptq", calib, GPTQOptions(sink_weight=weight))
+            out = quantize_checkpoint(src, Path(work) / f"w{weight:g}", default_scheme("int4"), quantizer=quantizer,
+                                      force=True, progress=False).out
+            model = AutoModelForCausalLM.from_pretrained(
+                out, quantization_config=CompressedTensorsConfig(dequantize=True), dtype=torch.float32).eval()
+            rows[f"sink_weight={weight:g}"] = score(model)
+            print(f"sink weight {weight:g}: {rows[f'sink_weight={weight:g}']:.3f} ({time.perf_counter() - t:.0f} s)", flush=True)
+    best = min((k for k in rows if k != "original"), key=rows.get)
+    print(f"best on the dev slice: {best}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "dev_text": dev_name, "calibration": calib.describe(), "context": DEFAULT_CONTEXT, "stride": DEFAULT_STRIDE,
+        "scheme": default_scheme("int4").describe(), "perplexity": rows, "best": best,
+        "machine": f"{os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} thread(s)",
+    }, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
