@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from torch import nn
 
 from compress.checkpoint import Checkpoint
 from compress.errors import CheckpointError, KvslimError
+from runtime.layers.fused_linear import FusedLinear, SeparateLinears, out_features, stack_linear_tensors
 from runtime.layers.linear import make_linear
 from runtime.models.decoder import Decoder
 from runtime.spec import ModelSpec
@@ -41,8 +43,11 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 class CheckpointWeights:
     """``WeightSource`` over an open checkpoint; records which tensors were taken."""
 
-    def __init__(self, ckpt: Checkpoint, spec: ModelSpec, dtype: torch.dtype, use_cpu_kernels: bool) -> None:
+    def __init__(
+        self, ckpt: Checkpoint, spec: ModelSpec, dtype: torch.dtype, use_cpu_kernels: bool, fuse: bool = True
+    ) -> None:
         self.ckpt, self.spec, self.dtype, self.use_cpu_kernels = ckpt, spec, dtype, use_cpu_kernels
+        self.fuse = fuse
         self.used: set[str] = set()
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -54,7 +59,7 @@ class CheckpointWeights:
             raise CheckpointError(f"{name}: expected a floating-point tensor, found {t.dtype}")
         return t
 
-    def linear(self, name: str, bias: bool) -> nn.Module:
+    def _linear_tensors(self, name: str, bias: bool) -> dict[str, torch.Tensor]:
         tensors = {}
         for suffix in LINEAR_TENSORS:
             full = f"{name}.{suffix}"
@@ -66,8 +71,30 @@ class CheckpointWeights:
         if bias != ("bias" in tensors):
             state = "has no" if bias else "has an unexpected"
             raise CheckpointError(f"{self.ckpt.path}: {name} {state} bias (config says bias={bias})")
-        scheme = self.spec.quant.scheme_for(name) if self.spec.quant else None
-        return make_linear(name, tensors, scheme, self.dtype, self.use_cpu_kernels)
+        return tensors
+
+    def _scheme(self, name: str):
+        return self.spec.quant.scheme_for(name) if self.spec.quant else None
+
+    def linear(self, name: str, bias: bool) -> nn.Module:
+        return make_linear(name, self._linear_tensors(name, bias), self._scheme(name), self.dtype, self.use_cpu_kernels)
+
+    def linears(self, names: Sequence[str], bias: bool) -> nn.Module:
+        """Linears over one input (q/k/v, gate/up): one ``FusedLinear`` when fusion is on and
+        their tensors stack (one scheme), else ``SeparateLinears``. Returns a module whose
+        forward gives one output per name."""
+        schemes = [self._scheme(n) for n in names]
+        if not self.fuse or len(names) < 2 or any(s != schemes[0] for s in schemes):
+            return SeparateLinears([self.linear(n, bias) for n in names])
+        parts = [self._linear_tensors(n, bias) for n in names]
+        for n, p in zip(names, parts):  # each part must be valid on its own: same errors as unfused
+            make_linear(n, p, schemes[0], self.dtype, use_cpu_kernels=False)
+        stacked = stack_linear_tensors(parts, schemes[0])
+        if stacked is None:
+            return SeparateLinears([make_linear(n, p, schemes[0], self.dtype, self.use_cpu_kernels)
+                                    for n, p in zip(names, parts)])
+        fused = make_linear("+".join(names), stacked, schemes[0], self.dtype, self.use_cpu_kernels)
+        return FusedLinear(fused, [out_features(p) for p in parts])
 
     def _unused_by_design(self, name: str) -> bool:
         """KV-cache scales, a tied model's redundant ``lm_head.weight``, and a KV reader's own
@@ -86,15 +113,18 @@ class CheckpointWeights:
             raise CheckpointError(f"{self.ckpt.path}: tensors the runtime does not understand: {', '.join(left[:3])}{more}")
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype = "float32", use_cpu_kernels: bool = True) -> Decoder:
+def load_model(
+    path: str | Path, dtype: str | torch.dtype = "float32", use_cpu_kernels: bool = True, fuse: bool = True
+) -> Decoder:
     """Load a checkpoint directory into a ``Decoder`` in eval mode.
 
     ``dtype``: activation and dense-weight dtype. Quantized weights stay in their packed form.
     ``use_cpu_kernels``: use torch's weight-only INT4/INT8 CPU kernels where they apply (bf16).
+    ``fuse``: q/k/v and gate/up projections as one GEMM each where their schemes match.
     """
     ckpt = Checkpoint.open(path)
     spec = ModelSpec.from_config(ckpt.config)
-    weights = CheckpointWeights(ckpt, spec, resolve_dtype(dtype), use_cpu_kernels)
+    weights = CheckpointWeights(ckpt, spec, resolve_dtype(dtype), use_cpu_kernels, fuse)
     with torch.no_grad():
         model = Decoder(spec, weights, resolve_dtype(dtype))
     weights.check_all_used()

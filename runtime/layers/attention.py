@@ -10,8 +10,9 @@ from runtime.layers.rotary import apply_rotary
 
 
 class Attention(nn.Module):
-    """One layer's attention. A layer that reads another layer's KV (``k_proj is None``) computes
-    only its queries and passes ``k = v = None`` to the backend, which reads the owner's cache."""
+    """One layer's attention. ``qkv_proj(hidden)`` returns ``(q, k, v)`` (one fused GEMM or three
+    Linears, ``runtime.layers.fused_linear``), or ``(q,)`` for a layer that reads another layer's
+    KV: it passes ``k = v = None`` to the backend, which reads the owner's cache."""
 
     def __init__(
         self,
@@ -19,9 +20,7 @@ class Attention(nn.Module):
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
-        q_proj: nn.Module,
-        k_proj: nn.Module | None,
-        v_proj: nn.Module | None,
+        qkv_proj: nn.Module,
         o_proj: nn.Module,
         q_norm: nn.Module | None = None,
         k_norm: nn.Module | None = None,
@@ -29,7 +28,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
+        self.qkv_proj, self.o_proj = qkv_proj, o_proj
         self.q_norm, self.k_norm = q_norm, k_norm
 
     def forward(
@@ -37,16 +36,17 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """hidden ``[T, hidden]``; cos/sin ``[T, 1, head_dim]`` -> ``[T, hidden]``."""
         t = hidden.shape[0]
-        q = self.q_proj(hidden).view(t, self.num_heads, self.head_dim)
+        proj = self.qkv_proj(hidden)
+        q = proj[0].view(t, self.num_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
         q = apply_rotary(q, cos, sin)
         k = v = None
-        if self.k_proj is not None:
-            k = self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
+        if len(proj) == 3:
+            k = proj[1].view(t, self.num_kv_heads, self.head_dim)
             if self.k_norm is not None:
                 k = self.k_norm(k)
             k = apply_rotary(k, cos, sin)
-            v = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
+            v = proj[2].view(t, self.num_kv_heads, self.head_dim)
         out = backend.attend(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))

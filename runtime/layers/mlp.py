@@ -16,11 +16,15 @@ def activation(name: str):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, act: str) -> None:
+    """``gate_up_proj(x)`` returns ``(gate, up)``: one fused GEMM or two Linears
+    (``runtime.layers.fused_linear``)."""
+
+    def __init__(self, gate_up_proj: nn.Module, down_proj: nn.Module, act: str) -> None:
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+        self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
         self.act_name = act
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x)
+        return self.down_proj(self.act(gate) * up)

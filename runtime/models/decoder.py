@@ -12,7 +12,7 @@ prompt logprobs) and calls ``compute_logits`` on them only.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,10 @@ class WeightSource(Protocol):
 
     def linear(self, name: str, bias: bool) -> nn.Module: ...
 
+    def linears(self, names: Sequence[str], bias: bool) -> nn.Module:
+        """Linears over one input; the module returns one output per name (fused where possible)."""
+        ...
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, i: int, w: WeightSource, dtype: torch.dtype) -> None:
@@ -46,19 +50,17 @@ class DecoderLayer(nn.Module):
             n.weight.data = weight.float() if spec.norm_offset else weight.to(dtype)
             return n
 
-        owns_kv = la.kv_source == i
+        owns_kv = la.kv_source == i  # a KV reader has no k/v projections: q alone
+        qkv = ("q_proj", "k_proj", "v_proj") if owns_kv else ("q_proj",)
         self.self_attn = Attention(
             i, spec.num_heads, la.num_kv_heads, spec.head_dim,
-            q_proj=w.linear(p + "self_attn.q_proj", spec.qkv_bias),
-            k_proj=w.linear(p + "self_attn.k_proj", spec.qkv_bias) if owns_kv else None,
-            v_proj=w.linear(p + "self_attn.v_proj", spec.qkv_bias) if owns_kv else None,
+            qkv_proj=w.linears([p + "self_attn." + n for n in qkv], spec.qkv_bias),
             o_proj=w.linear(p + "self_attn.o_proj", spec.o_bias),
             q_norm=norm("self_attn.q_norm", spec.head_dim) if spec.qk_norm else None,
             k_norm=norm("self_attn.k_norm", spec.head_dim) if spec.qk_norm and owns_kv else None,
         )
         self.mlp = GatedMLP(
-            w.linear(p + "mlp.gate_proj", spec.mlp_bias),
-            w.linear(p + "mlp.up_proj", spec.mlp_bias),
+            w.linears([p + "mlp.gate_proj", p + "mlp.up_proj"], spec.mlp_bias),
             w.linear(p + "mlp.down_proj", spec.mlp_bias),
             spec.hidden_act,
         )
