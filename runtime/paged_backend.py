@@ -115,12 +115,13 @@ class _ReadPlan:
 
     decode_blocks: torch.Tensor | None  # [S_decode, nb] physical block ids
     decode_allowed: torch.Tensor | None  # [S_decode, 1, nb * block_size]
+    decode_bias: torch.Tensor | None  # the same as an additive mask [S_decode, 1, 1, Tk] (0 / -inf), q's dtype
     chunks: tuple[tuple[int, slice, torch.Tensor, torch.Tensor], ...]  # (seq, rows, blocks [1, nb], allowed [1, n, Tk])
 
 
-def _plan(batch: PagedBatch, table: torch.Tensor, window: int | None) -> _ReadPlan:
+def _plan(batch: PagedBatch, table: torch.Tensor, window: int | None, dtype: torch.dtype) -> _ReadPlan:
     bs = batch.block_size
-    decode_blocks = decode_allowed = None
+    decode_blocks = decode_allowed = decode_bias = None
     if batch.decode_seqs.numel():
         idx = batch.decode_seqs
         ctx = batch.context_lens[idx].long()  # [S]
@@ -136,6 +137,7 @@ def _plan(batch: PagedBatch, table: torch.Tensor, window: int | None) -> _ReadPl
         if window is not None:
             allowed &= key_pos >= (ctx - window)[:, None]
         decode_allowed = allowed.unsqueeze(1)
+        decode_bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))[:, None, None]
     chunks = []
     starts = batch.query_start_loc.tolist()
     for i, n in enumerate(batch.query_lens):
@@ -151,7 +153,28 @@ def _plan(batch: PagedBatch, table: torch.Tensor, window: int | None) -> _ReadPl
         if window is not None:
             allowed &= dist < window
         chunks.append((i, slice(starts[i], starts[i] + n), table[i, cols].unsqueeze(0), allowed.unsqueeze(0)))
-    return _ReadPlan(decode_blocks, decode_allowed, tuple(chunks))
+    return _ReadPlan(decode_blocks, decode_allowed, decode_bias, tuple(chunks))
+
+
+def _attend_decode(
+    q: torch.Tensor,  # [S, H, D]: one new token per sequence
+    k: torch.Tensor,  # [S, Tk, KVH, D]
+    v: torch.Tensor,
+    plan: _ReadPlan,
+    params: AttentionParams,
+) -> torch.Tensor:
+    """Decode attention with the query heads of each KV head laid out as that head's query rows
+    (``[S, KVH, H / KVH, D]``): one query token, so every row shares the mask, and SDPA attends
+    each KV head once instead of expanding K/V to every query head (2x faster measured)."""
+    if params.softcap is not None:
+        return _attend(q.unsqueeze(1), k, v, plan.decode_allowed, params).squeeze(1)
+    s, h, d = q.shape
+    kvh = k.shape[2]
+    out = F.scaled_dot_product_attention(
+        q.view(s, kvh, h // kvh, d), k.transpose(1, 2), v.transpose(1, 2), attn_mask=plan.decode_bias,
+        scale=params.scale,
+    )  # [S, KVH, H / KVH, D]
+    return out.reshape(s, h, d)
 
 
 class PagedAttentionBackend:
@@ -161,7 +184,7 @@ class PagedAttentionBackend:
         self.cache = cache
         self.params = tuple(params)
         self.batch: PagedBatch | None = None
-        self._plans: dict[tuple[int, int | None], _ReadPlan] = {}
+        self._plans: dict[tuple[int, int | None, torch.dtype], _ReadPlan] = {}
 
     def set_batch(self, batch: PagedBatch) -> None:
         self.batch = batch
@@ -174,18 +197,18 @@ class PagedAttentionBackend:
         params = self.params[layer_idx]
         if k is not None:
             self.cache.write(layer_idx, k, v, batch.slot_mapping[g])
-        key = (g, params.window)
+        key = (g, params.window, q.dtype)
         if key not in self._plans:
-            self._plans[key] = _plan(batch, batch.block_tables[g], params.window)
+            self._plans[key] = _plan(batch, batch.block_tables[g], params.window, q.dtype)
         plan = self._plans[key]
         if plan.decode_blocks is not None and not plan.chunks:  # a pure decode step
             kk, vv = self.cache.gather(layer_idx, plan.decode_blocks, q.dtype)
-            return _attend(q.unsqueeze(1), kk, vv, plan.decode_allowed, params).squeeze(1)
+            return _attend_decode(q, kk, vv, plan, params)
         out = torch.empty_like(q)
         if plan.decode_blocks is not None:
             rows = batch.decode_rows
             kk, vv = self.cache.gather(layer_idx, plan.decode_blocks, q.dtype)
-            out[rows] = _attend(q[rows].unsqueeze(1), kk, vv, plan.decode_allowed, params).squeeze(1)
+            out[rows] = _attend_decode(q[rows], kk, vv, plan, params)
         lc = self.cache.layers[layer_idx]
         fresh_ok = k is not None and lc.k_scale is None and lc.k_cache.dtype == q.dtype
         for i, rows, blocks, allowed in plan.chunks:
