@@ -45,7 +45,7 @@ def test_report_table_plot_and_json(variants, tmp_path, capsys):
     assert fp8["kv_dtype"] == "fp8_e4m3" and orig["kv_dtype"] == "bf16"
     assert mqa["kv_bytes_per_token"] == orig["kv_bytes_per_token"] / 2
     assert mqa["kv_capacity_seqs"] >= 2 * orig["kv_capacity_seqs"] - 1
-    assert all(r["decode_tokens_per_s"] > 0 for r in data["rows"])
+    assert all(r["decode_tokens_per_s"] > 0 and r["decode_dtype"] in ("float32", "bfloat16") for r in data["rows"])
     assert "wikipedia:eval, first 200 tokens" in table
 
 
@@ -73,7 +73,7 @@ def test_recovery_is_mean_ratio_over_tasks_the_baseline_scores():
     from eval.report import CheckpointRow, recovery
 
     def row(acc):
-        return CheckpointRow("x", "x", 1, "bf16", 1.0, 1, None, None, acc, 1.0)
+        return CheckpointRow("x", "x", 1, "bf16", 1.0, 1, None, None, acc, 1.0, "float32")
 
     base = row({"a": 0.5, "b": 0.8, "c": 0.0})
     assert recovery(base, base) == 1.0
