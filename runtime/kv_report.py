@@ -5,6 +5,8 @@ For a config and a KV dtype: build the ``KVCacheSpec``, size the pools for a byt
 sequences through the ``BlockManager`` (chunks of one block, sliding groups releasing what left
 the window) until a block allocation fails. Capacity depends on the config only, so variants
 (MQA, KV sharing, sliding layers, quantized KV) are built from the base config, no weights needed.
+The one weight-side input is the scale mode of quantized KV, as the engine picks it: a checkpoint
+with per-layer ``k_scale``/``v_scale`` stores no per-token scales (``static_scales``).
 
     python -m runtime.kv_report --model smollm2 --budget-gib 1 --json runs/kv_report.json
 """
@@ -21,6 +23,7 @@ from attention_variants.layout import FULL, KV_SOURCE_KEY, SLIDING, AttentionLay
 from compress.errors import KvslimError
 from runtime.block_manager import BlockManager, PrefixHit
 from runtime.kv_cache import KV_DTYPES, KVCache, KVCacheSpec
+from runtime.kv_quant import QUANT_DTYPES
 
 GIB = 1 << 30
 
@@ -42,6 +45,7 @@ class GroupReport:
 class VariantReport:
     name: str
     kv_dtype: str
+    kv_scales: str  # "none", "per token and head" (dynamic) or "per layer" (checkpoint k_scale/v_scale)
     formula_bytes_per_token: float
     counted_bytes_per_token: float
     allocated_bytes: int
@@ -111,12 +115,26 @@ def measure_capacity(spec: KVCacheSpec, num_blocks: tuple[int, ...], seq_len: in
         held += 1
 
 
+def has_static_kv_scales(path: str | Path) -> bool:
+    """Whether the checkpoint at ``path`` carries per-layer KV scales for every cache owner (then
+    the engine quantizes KV with them and allocates no per-token scales)."""
+    from compress.checkpoint import Checkpoint
+    from runtime.engine import kv_layer_scales
+
+    ckpt = Checkpoint.open(path)
+    return kv_layer_scales(ckpt, AttentionLayout.from_config(ckpt.config).cache_owners()) is not None
+
+
 def report_variant(name: str, config: dict, kv_dtype: str, budget_bytes: int, seq_len: int = 2048,
-                   block_size: int = 16) -> VariantReport:
+                   block_size: int = 16, static_scales: bool = False) -> VariantReport:
+    """``static_scales``: quantized KV uses per-layer checkpoint scales (no per-token scale bytes),
+    as the engine does for a checkpoint with ``k_scale``/``v_scale``; no effect on unquantized KV."""
     layout = AttentionLayout.from_config(config)
-    spec = KVCacheSpec.from_layout(layout, kv_dtype, block_size)
+    static = static_scales and kv_dtype in QUANT_DTYPES
+    spec = KVCacheSpec.from_layout(layout, kv_dtype, block_size, static_scales=static)
     num_blocks = spec.plan_num_blocks(budget_bytes, seq_len)
-    cache = KVCache(spec, num_blocks)  # real allocation: the bytes below are counted from it
+    layer_scales = {i: (1.0, 1.0) for i in layout.cache_owners()} if static else None  # values do not matter here
+    cache = KVCache(spec, num_blocks, layer_scales=layer_scales)  # real allocation: the bytes below are counted from it
     seqs, per_seq = measure_capacity(spec, num_blocks, seq_len)
     dtype_bytes = torch.empty((), dtype=KV_DTYPES[kv_dtype]).element_size()
     groups = []
@@ -131,6 +149,7 @@ def report_variant(name: str, config: dict, kv_dtype: str, budget_bytes: int, se
     return VariantReport(
         name=name,
         kv_dtype=kv_dtype,
+        kv_scales="per layer" if static else ("per token and head" if kv_dtype in QUANT_DTYPES else "none"),
         formula_bytes_per_token=layout.kv_bytes_per_token(seq_len, dtype_bytes, scale_bytes),
         counted_bytes_per_token=sum(g.counted_bytes_per_token for g in groups),
         allocated_bytes=sum(g.allocated_bytes for g in groups),
@@ -144,12 +163,12 @@ def format_table(reports: list[VariantReport], budget_bytes: int, seq_len: int) 
     base = reports[0]
     lines = [
         f"KV cache, {budget_bytes / GIB:g} GiB budget, {seq_len}-token sequences",
-        f"{'variant':44s} {'KV':9s} {'B/tok formula':>13s} {'B/tok counted':>13s} {'groups':>6s} "
+        f"{'variant':44s} {'KV':9s} {'scales':18s} {'B/tok formula':>13s} {'B/tok counted':>13s} {'groups':>6s} "
         f"{'allocated MiB':>13s} {'seqs':>5s} {'vs orig':>7s}",
     ]
     for r in reports:
         lines.append(
-            f"{r.name:44s} {r.kv_dtype:9s} {r.formula_bytes_per_token:13.0f} {r.counted_bytes_per_token:13.0f} "
+            f"{r.name:44s} {r.kv_dtype:9s} {r.kv_scales:18s} {r.formula_bytes_per_token:13.0f} {r.counted_bytes_per_token:13.0f} "
             f"{len(r.groups):6d} {r.allocated_bytes / 2**20:13.1f} {r.capacity_seqs:5d} "
             f"{r.capacity_seqs / max(base.capacity_seqs, 1):6.2f}x"
         )
@@ -166,9 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    config = json.loads((resolve_model(args.model) / "config.json").read_text())
+    model_dir = resolve_model(args.model)
+    config = json.loads((model_dir / "config.json").read_text())
+    static = has_static_kv_scales(model_dir)
     budget = int(args.budget_gib * GIB)
-    reports = [report_variant(name, cfg, dt, budget, args.seq_len, args.block_size)
+    reports = [report_variant(name, cfg, dt, budget, args.seq_len, args.block_size, static)
                for name, (cfg, dt) in variant_configs(config).items()]
     print(format_table(reports, budget, args.seq_len))
     for r in reports:

@@ -1,8 +1,11 @@
+import json
+
 import pytest
+import torch
 
 from attention_variants.layout import AttentionLayout
 from runtime.kv_cache import KVCache, KVCacheSpec
-from runtime.kv_report import report_variant, share_pairs, variant_configs
+from runtime.kv_report import has_static_kv_scales, report_variant, share_pairs, variant_configs
 
 BASE = dict(num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=3, hidden_size=96, head_dim=16)
 
@@ -47,3 +50,48 @@ def test_variants_beat_original():
     base = reports["original bf16"].capacity_seqs
     assert all(r.capacity_seqs > base for n, r in reports.items() if n != "original bf16")
     assert reports["MQA (1 KV head)"].capacity_seqs >= 2.9 * base
+
+
+def _with_kv_scales(src, out):
+    """A copy of checkpoint ``src`` with per-layer ``k_scale``/``v_scale`` (as ``--kv-cache-fp8`` writes)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    weights = load_file(out / "model.safetensors")
+    n = json.loads((out / "config.json").read_text())["num_hidden_layers"]
+    for i in range(n):
+        weights[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.02)
+        weights[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.01)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int8"])
+def test_static_checkpoint_scales_sized_as_the_engine_allocates(tiny_llama, tmp_path, kv_dtype):
+    """With per-layer checkpoint scales the engine stores no per-token scales: the report's
+    formula and counted bytes drop the 4 B per token, head, K and V, and match the engine's cache."""
+    from runtime.engine import Engine, EngineConfig
+
+    path = _with_kv_scales(tiny_llama, tmp_path / "scaled")
+    assert has_static_kv_scales(path) and not has_static_kv_scales(tiny_llama)
+    config = json.loads((path / "config.json").read_text())
+    layout = AttentionLayout.from_config(config)
+    heads = sum(layout.layers[i].num_kv_heads for i in layout.cache_owners())
+    budget, seq_len, bs = 2 << 20, 64, 4
+    dynamic = report_variant("dynamic", config, kv_dtype, budget, seq_len, bs)
+    static = report_variant("static", config, kv_dtype, budget, seq_len, bs, static_scales=True)
+    assert (dynamic.kv_scales, static.kv_scales) == ("per token and head", "per layer")
+    assert static.formula_bytes_per_token == pytest.approx(2 * heads * layout.head_dim)  # 1-byte values only
+    assert static.counted_bytes_per_token == pytest.approx(static.formula_bytes_per_token)
+    assert dynamic.formula_bytes_per_token - static.formula_bytes_per_token == pytest.approx(2 * heads * 4)
+    assert static.capacity_seqs > dynamic.capacity_seqs
+    # bf16 KV ignores the flag
+    assert report_variant("bf16", config, "bf16", budget, seq_len, bs, static_scales=True).kv_scales == "none"
+
+    engine = Engine.from_checkpoint(path, EngineConfig(kv_dtype=kv_dtype, block_size=bs, kv_cache_bytes=budget,
+                                                       max_model_len=seq_len))
+    assert engine.kv_spec.static_scales
+    slot_bytes = engine.cache.group_nbytes(0) / (engine.cache.num_blocks[0] * bs)
+    assert slot_bytes == pytest.approx(static.counted_bytes_per_token)  # one full-attention group
