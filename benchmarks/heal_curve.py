@@ -44,6 +44,7 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences of 256 tokens per step")
     parser.add_argument("--out", default="benchmarks/results/heal_curve.json")
+    parser.add_argument("--keep", metavar="DIR", help="write the healed checkpoints to DIR/<rewrite> (default: discard)")
     args = parser.parse_args()
 
     import torch
@@ -105,7 +106,7 @@ def main() -> int:
             t = time.time()
             spec = HealSpec(minutes=args.minutes, clock=args.clock, device=args.device, batch_size=args.batch_size)
             heal(converted, source, spec,
-                 Path(tmp) / f"healed{len(curves)}", on_step=on_step)
+                 healed_dir(args.keep, tmp, label), on_step=on_step, force=True)
             curves[label] = dict(points=points, wall_s=round(time.time() - t, 1))
             write(args, dict(
                 model=args.model, device=args.device, teacher_ppl=teacher["ppl"], teacher_task=teacher["task"],
@@ -117,6 +118,11 @@ def main() -> int:
                 calibration=calib.describe(), machine=f"{platform.machine()}, {torch.get_num_threads()} threads",
                 curves=curves))
     return 0
+
+
+def healed_dir(keep: str | None, tmp: str, label: str) -> Path:
+    slug = label.lower().replace(" + ", "-").replace(" ", "")
+    return Path(keep or tmp) / f"healed-{slug}"
 
 
 def write(args, result: dict) -> None:
