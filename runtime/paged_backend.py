@@ -215,10 +215,11 @@ class PagedAttentionBackend:
             n = rows.stop - rows.start
             if fresh_ok and batch.first_positions[i] == 0 and (params.window or n) >= n and params.softcap is None:
                 # A whole prompt in one chunk: its keys are exactly this step's k/v (stored as-is).
+                # 4-D inputs: CPU SDPA takes its flash kernel only for those (3-D runs the math path).
                 out[rows] = F.scaled_dot_product_attention(
-                    q[rows].transpose(0, 1), k[rows].transpose(0, 1), v[rows].transpose(0, 1),
+                    q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None],
                     is_causal=True, scale=params.scale, enable_gqa=q.shape[1] != k.shape[1],
-                ).transpose(0, 1)
+                )[0].transpose(0, 1)
                 continue
             kk, vv = self.cache.gather(layer_idx, blocks, q.dtype)
             out[rows] = _attend(q[rows].unsqueeze(0), kk, vv, allowed, params).squeeze(0)
