@@ -1,13 +1,14 @@
 """Quantization schemes, named as compressed-tensors names its presets.
 
-A ``QuantScheme`` says how the weights of every targeted Linear are stored (and, for FP8_DYNAMIC,
-which activation quantization a runtime must apply). ``to_config_group()`` is the exact
+A ``QuantScheme`` says how the weights of every targeted Linear are stored (and, for FP8_DYNAMIC
+and W8A8, which activation quantization a runtime must apply). ``to_config_group()`` is the exact
 ``config_groups`` entry compressed-tensors / llm-compressor write into ``config.json``.
 
 =================  ======  =====  ========  ======  =========  =============================
 name               bits    type   strategy  group   symmetric  on-disk format
 =================  ======  =====  ========  ======  =========  =============================
 ``FP8_DYNAMIC``    8       float  channel   -       yes        ``float-quantized``
+``W8A8``           8       int    channel   -       yes        ``int-quantized`` (int8)
 ``W8A16``          8       int    channel   -       yes        ``pack-quantized`` (4 / int32)
 ``W4A16``          4       int    group     64      yes        ``pack-quantized`` (8 / int32)
 ``W4A16_ASYM``     4       int    group     64      no         ``pack-quantized`` + packed zp
@@ -15,7 +16,9 @@ name               bits    type   strategy  group   symmetric  on-disk format
 
 Deviations from compressed-tensors' presets, on purpose: its ``W4A16``/``W8A16`` presets use
 group 128, which does not divide the default model's hidden size (576 = 4.5 x 128), so kvslim's
-preset constants use group 64 and INT8 is per-channel. ``compress quantize --int4`` without
+preset constants use group 64 and INT8 is per-channel. ``W8A8`` is compressed-tensors' preset of
+that name as is (INT8 per-channel symmetric weights, dynamic per-token symmetric INT8 activations);
+like FP8_DYNAMIC it stores the weight unpacked (``int-quantized``: int8 ``weight`` + ``weight_scale``). ``compress quantize --int4`` without
 options uses ``default_scheme("int4")``: asymmetric, group ``DEFAULT_INT4_GROUP_SIZE`` = 32, the
 best of {32, 64} x {sym, asym} on perplexity (BENCHMARKS.md, "Weight quantization quality
 (RTN)"). Any group size that divides every quantized layer's input features can be asked for
@@ -33,6 +36,7 @@ Strategy = Literal["channel", "group"]
 
 FLOAT_QUANTIZED = "float-quantized"
 PACK_QUANTIZED = "pack-quantized"
+INT_QUANTIZED = "int-quantized"
 
 # The INT4 default (group size, symmetric), measured on the default model (RTN, wikipedia:eval
 # first 2048 tokens): asym g32 +26.4% ppl, asym g64 +35.6%, sym g32 +44.0%, sym g64 +50.7%.
@@ -51,6 +55,10 @@ class ActivationQuant:
     strategy: Literal["token", "tensor"]
     symmetric: bool = True
     dynamic: bool = True
+
+    def describe(self) -> str:
+        kind = "FP8" if self.type == "float" else f"INT{self.num_bits}"
+        return f"{'dynamic' if self.dynamic else 'static'} per-{self.strategy} {kind} activations"
 
     def to_config(self) -> dict:
         return {
@@ -87,12 +95,22 @@ class QuantScheme:
             raise KvslimError(f"scheme {self.name}: only symmetric 8-bit floats (FP8 E4M3) are supported")
         if self.type == "int" and self.num_bits not in (4, 8):
             raise KvslimError(f"scheme {self.name}: integer weights must be 4 or 8 bits")
+        acts = self.input_activations
+        if self.type == "int" and acts is not None and not (
+            (self.num_bits, self.strategy, self.symmetric) == (8, "channel", True)
+            and (acts.num_bits, acts.type, acts.strategy, acts.symmetric, acts.dynamic) == (8, "int", "token", True, True)
+        ):
+            raise KvslimError(f"scheme {self.name}: integer weights with quantized activations are supported only as "
+                              "W8A8 (per-channel symmetric INT8 weights, dynamic per-token symmetric INT8 activations)")
 
     # --- derived facts ------------------------------------------------------------------------
     @property
     def format(self) -> str:
-        """The compressed-tensors compression format of this scheme's Linears."""
-        return FLOAT_QUANTIZED if self.type == "float" else PACK_QUANTIZED
+        """The compressed-tensors compression format of this scheme's Linears (what
+        ``infer_module_format`` picks: int weights with quantized activations stay unpacked)."""
+        if self.type == "float":
+            return FLOAT_QUANTIZED
+        return INT_QUANTIZED if self.input_activations is not None else PACK_QUANTIZED
 
     @property
     def is_packed(self) -> bool:
@@ -117,7 +135,7 @@ class QuantScheme:
         else:
             detail = "per-channel"
         sym = "symmetric" if self.symmetric else "asymmetric"
-        acts = ", dynamic per-token FP8 activations" if self.input_activations else ", weight-only"
+        acts = f", {self.input_activations.describe()}" if self.input_activations else ", weight-only"
         kind = "FP8 E4M3" if self.type == "float" else f"INT{self.num_bits}"
         return f"{self.name} ({kind} {detail} {sym}{acts}; {self.format})"
 
@@ -159,6 +177,11 @@ class QuantScheme:
     def with_options(self, group_size: int | None = None, symmetric: bool | None = None) -> "QuantScheme":
         """This scheme with an explicit group size and/or symmetry (from the CLI)."""
         scheme = self
+        if self.input_activations is not None and self.type == "int" and (
+            group_size is not None or symmetric is False
+        ):
+            raise KvslimError("--w8a8 is per-channel symmetric (compressed-tensors' W8A8 preset); "
+                              "--group-size/--asymmetric apply to --int8/--int4")
         if group_size is not None:
             if self.type == "float":
                 raise KvslimError("--group-size applies to --int8/--int4; FP8 weights are per-channel")
@@ -170,25 +193,29 @@ class QuantScheme:
                 raise KvslimError("FP8 weights are symmetric only; --asymmetric applies to --int8/--int4")
             scheme = replace(scheme, symmetric=symmetric)
         base = "W8A16" if scheme.num_bits == 8 else "W4A16"
-        if scheme.type == "int":
+        if scheme.type == "int" and scheme.input_activations is None:
             scheme = replace(scheme, name=base if scheme.symmetric else f"{base}_ASYM")
         return scheme
 
 
 FP8_TOKEN_DYNAMIC = ActivationQuant(num_bits=8, type="float", strategy="token", symmetric=True, dynamic=True)
+INT8_TOKEN_DYNAMIC = ActivationQuant(num_bits=8, type="int", strategy="token", symmetric=True, dynamic=True)
 
 FP8_DYNAMIC = QuantScheme("FP8_DYNAMIC", 8, "float", "channel", None, True, FP8_TOKEN_DYNAMIC)
+W8A8 = QuantScheme("W8A8", 8, "int", "channel", None, True, INT8_TOKEN_DYNAMIC)
 W8A16 = QuantScheme("W8A16", 8, "int", "channel", None, True)
 W4A16 = QuantScheme("W4A16", 4, "int", "group", PRESET_INT4_GROUP_SIZE, True)
 W4A16_ASYM = QuantScheme("W4A16_ASYM", 4, "int", "group", PRESET_INT4_GROUP_SIZE, False)
 
-PRESETS: dict[str, QuantScheme] = {s.name: s for s in (FP8_DYNAMIC, W8A16, W4A16, W4A16_ASYM)}
+PRESETS: dict[str, QuantScheme] = {s.name: s for s in (FP8_DYNAMIC, W8A8, W8A16, W4A16, W4A16_ASYM)}
 
 
-def default_scheme(kind: Literal["fp8", "int8", "int4"]) -> QuantScheme:
-    """The scheme ``compress quantize --fp8/--int8/--int4`` uses without further options."""
+def default_scheme(kind: Literal["fp8", "w8a8", "int8", "int4"]) -> QuantScheme:
+    """The scheme ``compress quantize --fp8/--w8a8/--int8/--int4`` uses without further options."""
     if kind == "fp8":
         return FP8_DYNAMIC
+    if kind == "w8a8":
+        return W8A8
     if kind == "int8":
         return W8A16
     return W4A16.with_options(group_size=DEFAULT_INT4_GROUP_SIZE, symmetric=DEFAULT_INT4_SYMMETRIC)
@@ -209,6 +236,8 @@ def scheme_from_config_group(group: dict) -> QuantScheme:
     group_size = int(w["group_size"]) if strategy == "group" else None
     if qtype == "float":
         name = "FP8_DYNAMIC" if act else "FP8"
+    elif act is not None:
+        name = f"W{num_bits}A{act.num_bits}"
     else:
         name = f"W{num_bits}A16" + ("" if sym else "_ASYM")
     actorder = w.get("actorder")

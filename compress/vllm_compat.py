@@ -14,6 +14,9 @@ tensor-parallel split):
   ``out_features % 128 == 0``.
 - FP8 per-channel weights with dynamic per-token FP8 activations run through an FP8 scaled-mm
   (CUTLASS on SM89+); like ``torch._scaled_mm`` it needs both dimensions to be multiples of 16.
+- W8A8 INT8 (per-channel weights, dynamic per-token activations) runs through the INT8 CUTLASS
+  scaled-mm (SM75+), whose entry point checks the same 16-byte alignment: ``in_features`` (the
+  column-major weight's stride) and ``out_features`` (the output's row stride) multiples of 16.
 """
 from __future__ import annotations
 
@@ -76,12 +79,24 @@ def machete(scheme: QuantScheme, in_features: int, out_features: int) -> KernelV
 def fp8_scaled_mm(scheme: QuantScheme, in_features: int, out_features: int) -> KernelVerdict:
     if scheme.type != "float" or scheme.input_activations is None:
         return KernelVerdict("FP8 scaled_mm", False, "needs FP8 weights and FP8 activations")
+    return _aligned("FP8 scaled_mm", in_features, out_features)
+
+
+def int8_scaled_mm(scheme: QuantScheme, in_features: int, out_features: int) -> KernelVerdict:
+    if scheme.type != "int" or scheme.input_activations is None:
+        return KernelVerdict("INT8 scaled_mm", False, "needs INT8 weights and INT8 activations")
+    return _aligned("INT8 scaled_mm", in_features, out_features)
+
+
+def _aligned(kernel: str, in_features: int, out_features: int) -> KernelVerdict:
     problems = [f"{n} {v} % {FP8_ALIGN}" for n, v in (("in", in_features), ("out", out_features)) if v % FP8_ALIGN]
-    return KernelVerdict("FP8 scaled_mm", not problems, ", ".join(problems) + (" != 0" if problems else ""))
+    return KernelVerdict(kernel, not problems, ", ".join(problems) + (" != 0" if problems else ""))
 
 
 def kernel_verdicts(scheme: QuantScheme, in_features: int, out_features: int) -> tuple[KernelVerdict, ...]:
     """The kernels that could serve this scheme, each with its verdict for the layer shape."""
+    if scheme.type == "int" and scheme.input_activations is not None:
+        return (int8_scaled_mm(scheme, in_features, out_features),)
     if scheme.type == "float":
         return (fp8_scaled_mm(scheme, in_features, out_features), marlin(scheme, in_features, out_features))
     return (marlin(scheme, in_features, out_features), machete(scheme, in_features, out_features))

@@ -1,4 +1,4 @@
-"""`compress quantize MODEL (--fp8 | --int8 | --int4) -o OUT`: round-to-nearest weight quantization."""
+"""`compress quantize MODEL (--fp8 | --w8a8 | --int8 | --int4) -o OUT`: RTN or GPTQ weight quantization."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +9,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     kind = p.add_mutually_exclusive_group(required=True)
     kind.add_argument("--fp8", dest="kind", action="store_const", const="fp8",
                       help="FP8 E4M3 per-channel weights + dynamic per-token FP8 activations (FP8_DYNAMIC)")
+    kind.add_argument("--w8a8", dest="kind", action="store_const", const="w8a8",
+                      help="INT8 per-channel weights + dynamic per-token INT8 activations (W8A8, int-quantized)")
     kind.add_argument("--int8", dest="kind", action="store_const", const="int8",
                       help="INT8 weight-only, per-channel symmetric by default (W8A16, pack-quantized)")
     kind.add_argument("--int4", dest="kind", action="store_const", const="int4",

@@ -85,3 +85,13 @@ def test_evaluation_range_refused_for_calibration(tiny_with_tokenizer, tmp_path,
 ])
 def test_bad_flags(flags, needle, tiny_with_tokenizer, tmp_path, capsys):
     assert needle in bad([str(tiny_with_tokenizer), *flags], tmp_path / "o", capsys)
+
+
+def test_gptq_w8a8_writes_int_quantized(tiny_with_tokenizer, tmp_path, capsys):
+    out = tmp_path / "w"
+    rc = main(["quantize", str(tiny_with_tokenizer), "--w8a8", "--method", "gptq", "--num-calib-samples", "2",
+               "--calib-seq-len", "32", "-o", str(out), "--no-progress"])
+    assert rc == 0 and "W8A8" in capsys.readouterr().out
+    ckpt = Checkpoint.open(out)
+    assert ckpt.quantization_config["format"] == "int-quantized"
+    assert ckpt.headers["model.layers.0.self_attn.q_proj.weight"][0] == "I8"

@@ -11,7 +11,7 @@ import torch
 from compress.checkpoint import Checkpoint
 from compress.cli import main
 from compress.quantize import quantization_config
-from compress.schemes import FP8_DYNAMIC, W4A16_ASYM, W8A16
+from compress.schemes import FP8_DYNAMIC, W4A16_ASYM, W8A8, W8A16
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -62,7 +62,23 @@ def test_quantize_fp8_and_int8_formats(tiny_llama, tmp_path, capsys):
     assert "model.layers.0.mlp.down_proj.weight_zero_point" not in ckpt.headers
 
 
-@pytest.mark.parametrize("scheme", [FP8_DYNAMIC, W8A16, W4A16_ASYM], ids=lambda s: s.name)
+def test_quantize_w8a8_format_and_inspect(tiny_llama, tmp_path, capsys):
+    rc, stdout, _ = run_cli(capsys, "quantize", str(tiny_llama), "--w8a8", "-o", str(tmp_path / "w"), "--no-progress")
+    assert rc == 0 and "W8A8" in stdout
+    ckpt = Checkpoint.open(tmp_path / "w")
+    qc = ckpt.quantization_config
+    assert qc["format"] == "int-quantized"
+    assert qc["config_groups"]["group_0"]["input_activations"]["type"] == "int"
+    assert ckpt.headers["model.layers.0.mlp.down_proj.weight"] == ("I8", (128, 256))
+    assert ckpt.headers["model.layers.0.mlp.down_proj.weight_scale"] == ("F32", (128, 1))
+    assert not any(n.endswith(("weight_packed", "weight_zero_point")) for n in ckpt.names())
+    rc, stdout, _ = run_cli(capsys, "inspect", str(tmp_path / "w"))
+    assert rc == 0
+    assert "W8A8" in stdout and "int-quantized" in stdout and "dynamic per-token INT8 activations" in stdout
+    assert "INT8 scaled_mm" in stdout
+
+
+@pytest.mark.parametrize("scheme", [FP8_DYNAMIC, W8A8, W8A16, W4A16_ASYM], ids=lambda s: s.name)
 def test_quantization_config_is_what_compressed_tensors_writes(scheme, tmp_path):
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig
@@ -151,6 +167,9 @@ def test_conflicting_flags(tiny_llama, tmp_path, capsys):
     (["--int4", "--group-size", "0"], "must be positive"),
     (["--fp8", "--group-size", "32"], "FP8 weights are per-channel"),
     (["--fp8", "--asymmetric"], "symmetric only"),
+    (["--w8a8", "--group-size", "64"], "per-channel symmetric"),
+    (["--w8a8", "--asymmetric"], "per-channel symmetric"),
+    (["--w8a8", "--method", "gptq", "--act-order"], "carries no activation order"),
     (["--int4", "--ignore", "model.layers.9.mlp.up_proj"], "matches no Linear"),
 ])
 def test_impossible_options(args, needle, tiny_llama, tmp_path, capsys):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from compress.errors import KvslimError
-from compress.schemes import FP8_DYNAMIC, PRESETS, W4A16, W8A16, default_scheme, scheme_from_config_group
+from compress.schemes import FP8_DYNAMIC, PRESETS, W4A16, W8A8, W8A16, default_scheme, scheme_from_config_group
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -47,6 +47,32 @@ def test_group_check_names_the_layer():
 def test_defaults():
     assert default_scheme("fp8") is FP8_DYNAMIC
     assert default_scheme("int8") is W8A16
+    assert default_scheme("w8a8") is W8A8
     int4 = default_scheme("int4")
     assert (int4.name, int4.group_size, int4.symmetric) == ("W4A16_ASYM", 32, False)
     int4.check_input_features(576, "q_proj")  # the default model's hidden size
+
+
+def test_w8a8_is_compressed_tensors_preset_exactly():
+    """Unlike the weight-only presets, W8A8 keeps every field of compressed-tensors' preset."""
+    import torch
+    from compressed_tensors.compressors.format import infer_module_format
+    from compressed_tensors.config import CompressionFormat
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    theirs = preset_name_to_scheme("W8A8", ["Linear"])
+    ours = W8A8.to_config_group()
+    assert {k: v for k, v in ours.items() if k != "format"} == {
+        k: v for k, v in theirs.model_dump().items() if k != "format"}
+    assert infer_module_format(torch.nn.Linear, theirs) == CompressionFormat(ours["format"]) == CompressionFormat.int_quantized
+    assert not W8A8.is_packed and "dynamic per-token INT8 activations" in W8A8.describe()
+
+
+def test_w8a8_takes_no_group_or_asymmetry():
+    with pytest.raises(KvslimError, match="per-channel symmetric"):
+        W8A8.with_options(group_size=32)
+    with pytest.raises(KvslimError, match="per-channel symmetric"):
+        W8A8.with_options(symmetric=False)
+    assert W8A8.with_options(symmetric=True) is W8A8
+    with pytest.raises(KvslimError, match="W8A8"):
+        scheme_from_config_group({**W8A8.to_config_group(), "weights": {**W8A8.weights_config(), "num_bits": 4}})

@@ -31,3 +31,13 @@ def test_fp8_alignment():
     assert fp8_scaled_mm(FP8_DYNAMIC, 576, 192).ok
     assert not fp8_scaled_mm(FP8_DYNAMIC, 100, 192).ok
     assert [v.kernel for v in kernel_verdicts(FP8_DYNAMIC, 576, 192)] == ["FP8 scaled_mm", "Marlin"]
+
+
+def test_int8_w8a8_alignment():
+    from compress.schemes import W8A8
+    from compress.vllm_compat import int8_scaled_mm
+
+    assert int8_scaled_mm(W8A8, 576, 192).ok
+    assert not int8_scaled_mm(W8A8, 576, 100).ok
+    assert not int8_scaled_mm(W8A16, 576, 192).ok
+    assert [v.kernel for v in kernel_verdicts(W8A8, 576, 192)] == ["INT8 scaled_mm"]
