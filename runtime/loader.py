@@ -119,7 +119,8 @@ def load_model(
     """Load a checkpoint directory into a ``Decoder`` in eval mode.
 
     ``dtype``: activation and dense-weight dtype. Quantized weights stay in their packed form.
-    ``use_cpu_kernels``: use torch's weight-only INT4/INT8 CPU kernels where they apply (bf16).
+    ``use_cpu_kernels``: use torch's weight-only INT4/INT8 CPU kernels where they apply (bf16), and
+    ``torch._int_mm`` for W8A8 (False: its fake-quantize + dequantize reference path).
     ``fuse``: q/k/v and gate/up projections as one GEMM each where their schemes match.
     """
     ckpt = Checkpoint.open(path)

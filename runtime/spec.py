@@ -86,8 +86,9 @@ class QuantSpec:
             acts = group.get("input_activations")
             if acts and not acts.get("dynamic", False):
                 raise KvslimError(f"quantization group {name}: static activation scales are not supported")
-            if acts and (acts.get("type"), acts.get("strategy")) != ("float", "token"):
-                raise KvslimError(f"quantization group {name}: only dynamic per-token FP8 activations are supported")
+            if acts and ((acts.get("type"), acts.get("strategy")) not in (("float", "token"), ("int", "token"))
+                         or int(acts.get("num_bits", 0)) != 8):
+                raise KvslimError(f"quantization group {name}: only dynamic per-token FP8 or INT8 activations are supported")
             targets = tuple(group.get("targets") or ())
             if not targets:
                 raise KvslimError(f"quantization group {name} has no targets")

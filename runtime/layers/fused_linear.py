@@ -2,8 +2,8 @@
 
 The loader stacks the parts' checkpoint tensors along the output dimension
 (``stack_linear_tensors``) and builds one Linear of the shared scheme from them with
-``make_linear``, so every storage the runtime serves (dense, FP8, packed INT4/INT8 and the CPU
-kernel repacks) fuses the same way. Parts that cannot be stacked (differing schemes or act-order
+``make_linear``, so every storage the runtime serves (dense, FP8, W8A8 int8 with per-channel
+scales, packed INT4/INT8 and the CPU kernel repacks) fuses the same way. Parts that cannot be stacked (differing schemes or act-order
 column orders) run one by one (``SeparateLinears``); both forms return one output per part.
 """
 from __future__ import annotations

@@ -3,6 +3,11 @@
 - ``DenseLinear``: fp32 / bf16 / fp16 weights.
 - ``Fp8Linear``: ``float-quantized`` FP8 E4M3 weight + scale; dequantized per forward; with the
   FP8_DYNAMIC scheme the input is fake-quantized to FP8 per token first (what an FP8 GEMM sees).
+- ``W8A8Linear``: ``int-quantized`` INT8 per-channel weight + scale (W8A8). The input is quantized
+  per token to INT8 (compressed-tensors' dynamic symmetric token quantization) and multiplied by
+  the INT8 weight with ``torch._int_mm`` (int32 accumulation), then rescaled by the token and
+  channel scales; ``use_int_mm=False`` (or a shape the kernel refuses) takes the plain-torch
+  fake-quantize + dequantize reference path.
 - ``PackedIntLinear``: ``pack-quantized`` INT4 / INT8 (W4A16, W8A16, symmetric or not, group or
   channel, act-order). Keeps the on-disk int32 words and dequantizes per forward with
   ``compress.primitives.dequantize_linear`` (bit-identical to compressed-tensors).
@@ -24,6 +29,10 @@ from compress.primitives import FP8_DTYPE, decode_linear, dequantize_linear
 from compress.schemes import QuantScheme
 
 FP8_MAX = 448.0
+INT8_MIN, INT8_MAX = -128.0, 127.0
+# compressed-tensors' symmetric scale divides the absolute maximum by half the integer range:
+# (127 - (-128)) / 2 = 127.5, so the largest value lands on 127.5 and clamps to 127.
+INT8_HALF_RANGE = 127.5
 INT4_KERNEL_GROUPS = (32, 64, 128, 256)
 
 
@@ -52,6 +61,40 @@ def fake_quantize_fp8_per_token(x: torch.Tensor) -> torch.Tensor:
     scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale).to(x.dtype).float()
     q = torch.clamp(xf / scale, -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return (q.float() * scale).to(x.dtype)
+
+
+def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric per-token INT8: ``(q int8 [..., K], scale [..., 1] in x's dtype)``.
+
+    compressed-tensors' ``token`` strategy for ``int`` 8-bit activations, in x's dtype:
+    ``scale = amax / 127.5`` (the dtype's eps where 0), ``q = round(clamp(x / scale, -128, 127))``
+    with round half to even.
+    """
+    scale = x.abs().amax(dim=-1, keepdim=True) / INT8_HALF_RANGE
+    scale = torch.where(scale == 0, torch.finfo(x.dtype).eps, scale)
+    q = torch.clamp(x / scale, INT8_MIN, INT8_MAX).round_()
+    return q.to(torch.int8), scale
+
+
+def fake_quantize_int8_per_token(x: torch.Tensor) -> torch.Tensor:
+    """Quantize-dequantize of ``quantize_int8_per_token`` (``q * scale``), in x's dtype."""
+    q, scale = quantize_int8_per_token(x)
+    return q.to(x.dtype) * scale
+
+
+def int_mm_runs(x2: torch.Tensor, out_features: int) -> bool:
+    """Can ``torch._int_mm`` take ``x2 [M, K]`` against a ``[K, out_features]`` weight?
+
+    CPU takes every shape; CUDA needs more than 16 rows and K, N multiples of 8.
+    """
+    m, k = x2.shape
+    if m == 0:
+        return False
+    if x2.device.type == "cpu":
+        return True
+    if x2.device.type == "cuda":
+        return m > 16 and k % 8 == 0 and out_features % 8 == 0
+    return False
 
 
 class _QuantizedLinear(nn.Module):
@@ -86,6 +129,34 @@ class Fp8Linear(_QuantizedLinear):
         if self.scheme.input_activations is not None:
             x = fake_quantize_fp8_per_token(x)
         return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
+
+
+class W8A8Linear(_QuantizedLinear):
+    """``int-quantized`` W8A8: int8 weight ``[out, in]`` kept as stored, fp32 per-channel scales."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], scheme: QuantScheme, bias, dtype, use_int_mm: bool = True):
+        super().__init__(scheme, tuple(tensors["weight"].shape), bias, dtype)
+        self.use_int_mm = use_int_mm
+        _buffer(self, "weight", tensors["weight"])
+        _buffer(self, "weight_scale", tensors["weight_scale"])
+        _buffer(self, "channel_scale", tensors["weight_scale"].reshape(-1).float())
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return dequantize_linear({"weight": self.weight, "weight_scale": self.weight_scale}, self.scheme)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.use_int_mm:
+            return F.linear(fake_quantize_int8_per_token(x), self.dequantized_weight().to(x.dtype), self.bias)
+        lead = x.shape[:-1]
+        q, x_scale = quantize_int8_per_token(x.reshape(-1, self.in_features))
+        if int_mm_runs(q, self.out_features):
+            acc = torch._int_mm(q, self.weight.t())  # [N, K] row-major as stored: its .t() is the fast layout
+        else:
+            acc = F.linear(q.float(), self.weight.float())
+        y = (acc.float() * x_scale.float() * self.channel_scale).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
 
 
 class PackedIntLinear(_QuantizedLinear):
@@ -183,7 +254,8 @@ def make_linear(
     """Build the Linear for module ``name`` from its checkpoint tensors (names relative to it).
 
     ``scheme`` is the declared quantization of this Linear (``None``: floating point).
-    ``use_cpu_kernels=False`` forces the dequantize-per-forward path (the numerical reference).
+    ``use_cpu_kernels=False`` forces the dequantize-per-forward path (the numerical reference; for
+    W8A8: fake-quantized activations times the dequantized weight instead of ``torch._int_mm``).
     """
     bias = tensors.get("bias")
     if scheme is None:
@@ -200,7 +272,11 @@ def make_linear(
         if scheme.type == "float" and tensors["weight"].dtype != FP8_DTYPE:
             raise CheckpointError(f"{name}.weight is {tensors['weight'].dtype}, scheme {scheme.name} declares FP8")
         if scheme.type != "float":
-            raise CheckpointError(f"{name}: unpacked integer weights (int-quantized) are not supported")
+            if scheme.input_activations is None:
+                raise CheckpointError(f"{name}: unpacked integer weights without activation quantization are not supported")
+            if tensors["weight"].dtype != torch.int8:
+                raise CheckpointError(f"{name}.weight is {tensors['weight'].dtype}, scheme {scheme.name} declares int8")
+            return W8A8Linear(tensors, scheme, bias, dtype, use_int_mm=use_cpu_kernels)
         return Fp8Linear(tensors, scheme, bias, dtype)
     if tensors["weight_packed"].dtype != torch.int32:
         raise CheckpointError(f"{name}.weight_packed must be int32, found {tensors['weight_packed'].dtype}")

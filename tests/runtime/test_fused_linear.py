@@ -82,7 +82,7 @@ def test_kv_readers_project_queries_only(tiny_checkpoints, tmp_path):
     _assert_fused_equals_unfused(out)
 
 
-@pytest.mark.parametrize("name", ["W4A16_ASYM", "FP8_DYNAMIC"])
+@pytest.mark.parametrize("name", ["W4A16_ASYM", "FP8_DYNAMIC", "W8A8"])
 def test_fused_quantized_model_logits_equal_unfused(tiny_checkpoints, tmp_path, name):
     quant = quantize_checkpoint(tiny_checkpoints["llama"], tmp_path / name, PRESETS[name], progress=False).out
     _assert_fused_equals_unfused(quant)

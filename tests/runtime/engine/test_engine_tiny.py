@@ -14,7 +14,7 @@ LP_TOL = 1e-4  # fp32 both sides; only the summation order differs
 TIE = 1e-3  # tokens may differ only where the core's top-2 logprobs are this close
 
 
-def assert_same(engine_out, core_out, tol=LP_TOL):
+def assert_same(engine_out, core_out, tol=LP_TOL, tie=TIE):
     comp = core_out.outputs[0]
     for t, (a, b) in enumerate(zip(engine_out.token_ids, comp.token_ids)):
         le, lc = engine_out.logprobs[t], comp.logprobs[t]
@@ -23,7 +23,7 @@ def assert_same(engine_out, core_out, tol=LP_TOL):
             if tok in top_core:
                 assert abs(lp - top_core[tok]) < tol, (t, tok, lp, top_core[tok])
         if a != b:
-            assert lc.top[0][1] - lc.top[1][1] < TIE, f"tokens differ at {t} without a near-tie"
+            assert lc.top[0][1] - lc.top[1][1] < tie, f"tokens differ at {t} without a near-tie"
             return
     assert engine_out.token_ids == list(comp.token_ids)
     assert engine_out.finish_reason == comp.finish_reason
@@ -69,6 +69,31 @@ def test_batch_of_16_matches_core(tiny_checkpoints, arch):
     alone = engine.generate([ps[5]], params)[0]  # the same request alone
     assert_same(alone, ref[5])
     assert all(p.num_free == p.num_blocks for p in engine.block_manager.pools)
+
+
+# W8A8's per-token INT8 activations put each token's most negative value on a rounding tie
+# (compressed-tensors' scale is amax / 127.5), so 1e-7 summation-order differences can move it by
+# one step; attention carries that to later positions. The bound is test_linear.py's whole-model
+# W8A8 bound, 5% of the logit range (about 3.3 on the tiny llama); measured here: at most 0.044
+# (logprob) over prompt seeds 1-3, one greedy divergence at a near-tie in 48 requests.
+W8A8_LP_TOL = 0.15
+W8A8_TIE = 0.15
+
+
+def test_w8a8_model_matches_core(tiny_llama, tmp_path):
+    from compress.quantize import quantize_checkpoint
+    from compress.schemes import W8A8
+    from runtime.layers.linear import W8A8Linear
+
+    path = quantize_checkpoint(tiny_llama, tmp_path / "w8a8", W8A8, progress=False).out
+    core = LLM(path, max_model_len=128)
+    assert any(isinstance(m, W8A8Linear) and m.use_int_mm for m in core.model.modules())
+    engine = Engine(core.model, EngineConfig(block_size=4, max_num_batched_tokens=48, max_model_len=128,
+                                             kv_cache_bytes=4 << 20))
+    ps = prompts(16, seed=1, hi=40)
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=3, ignore_eos=True)
+    for e, r in zip(engine.generate(ps, params), core.generate(ps, params)):
+        assert_same(e, r, tol=W8A8_LP_TOL, tie=W8A8_TIE)
 
 
 def test_kv_sharing_model_matches_core(kv_shared_checkpoint):
