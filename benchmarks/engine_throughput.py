@@ -6,7 +6,12 @@ exactly 128 tokens (EOS ignored), greedy. Throughput = generated tokens / wall t
 to the last token (prefill included), all requests together. Each peer runs at each dtype given;
 the summary picks its fastest per concurrency and says which.
 
+Quantized checkpoints run as their own engine peers ("kvslim engine W8A8", named by the scheme in
+their config), at the same activation dtypes: ``--engine-w8a8`` first quantizes the model to W8A8
+(RTN) into a temporary directory; ``--engine-checkpoints DIR ...`` takes existing ones.
+
     python benchmarks/engine_throughput.py --json runs/engine_throughput.json
+    python benchmarks/engine_throughput.py --engine-w8a8 --concurrency 32 --json runs/engine_w8a8.json
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import importlib.util
 import json
 import os
 import platform
+import tempfile
 import time
 from pathlib import Path
 
@@ -57,6 +63,21 @@ def run_engine(model_dir: Path, dtype: str, prompts: list[list[int]], new_tokens
             "kv_dtype": engine.kv_spec.groups[0].kv_dtype, "preemptions": engine.stats.preemptions}
 
 
+def checkpoint_label(path: Path) -> str:
+    """The weight scheme a checkpoint declares (e.g. ``W8A8``), or ``dense``."""
+    from compress.inspection import inspect_checkpoint
+
+    scheme = inspect_checkpoint(path).scheme
+    return "dense" if scheme is None else scheme.name
+
+
+def quantize_w8a8(model_dir: Path, root: Path) -> Path:
+    from compress.quantize import quantize_checkpoint
+    from compress.schemes import W8A8
+
+    return quantize_checkpoint(model_dir, root / "w8a8", W8A8, progress=False).out
+
+
 def run_hf(model_dir: Path, dtype: str, prompts: list[list[int]], new_tokens: int) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -95,6 +116,10 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--engine-dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--hf-dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--engine-w8a8", action="store_true",
+                    help="also run the engine on the model quantized to W8A8 (RTN, into a temporary directory)")
+    ap.add_argument("--engine-checkpoints", nargs="+", type=Path, default=[], metavar="DIR",
+                    help="also run the engine on these (quantized) checkpoints, one peer each")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="tokens generated per request")
     ap.add_argument("--json", type=Path)
@@ -107,12 +132,18 @@ def main() -> int:
 
     model_dir = resolve_model(args.model)
     prompts = real_prompts(AutoTokenizer.from_pretrained(model_dir), max(args.concurrency))
+    scratch = tempfile.TemporaryDirectory(prefix="engine_throughput_")
+    engines = [("kvslim engine", model_dir)]
+    extra = ([quantize_w8a8(model_dir, Path(scratch.name))] if args.engine_w8a8 else []) + args.engine_checkpoints
+    engines += [(f"kvslim engine {checkpoint_label(p)}", p) for p in extra]
     rows = []
     for c in args.concurrency:
-        for dt in args.engine_dtypes:
-            r = run_engine(model_dir, dt, prompts[:c], args.new_tokens)
-            rows.append({"peer": "kvslim engine", "dtype": f"{dt} (KV {r.pop('kv_dtype')})", "concurrency": c, **r})
-            print(rows[-1], flush=True)
+        for peer, path in engines:
+            for dt in args.engine_dtypes:
+                r = run_engine(path, dt, prompts[:c], args.new_tokens)
+                rows.append({"peer": peer, "dtype": f"{dt} (KV {r.pop('kv_dtype')})", "concurrency": c,
+                             "checkpoint": str(path), **r})
+                print(rows[-1], flush=True)
         for dt in args.hf_dtypes:
             rows.append({"peer": "HF generate", "dtype": dt, "concurrency": c, **run_hf(model_dir, dt, prompts[:c], args.new_tokens)})
             print(rows[-1], flush=True)
@@ -130,11 +161,12 @@ def main() -> int:
     print(f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
     print(f"\nAggregate generated tok/s, {PROMPT_TOKENS}-token wikipedia:eval prompts, {args.new_tokens} new tokens "
           f"each, greedy, {args.threads} threads ({platform.processor() or platform.machine()})")
-    print(f"{'peer':18s} {'dtype':28s} " + " ".join(f"{'c=' + str(c):>9s}" for c in args.concurrency))
+    width = max(18, *(len(r["peer"]) for r in rows))
+    print(f"{'peer':{width}s} {'dtype (activations)':28s} " + " ".join(f"{'c=' + str(c):>9s}" for c in args.concurrency))
     for peer in dict.fromkeys(r["peer"] for r in rows):
         for dt in dict.fromkeys(r["dtype"] for r in rows if r["peer"] == peer):
             vals = {r["concurrency"]: r["tok_s"] for r in rows if r["peer"] == peer and r["dtype"] == dt}
-            print(f"{peer:18s} {dt:28s} " + " ".join(f"{vals.get(c, float('nan')):9.1f}" for c in args.concurrency))
+            print(f"{peer:{width}s} {dt:28s} " + " ".join(f"{vals.get(c, float('nan')):9.1f}" for c in args.concurrency))
     best = {}
     for c in args.concurrency:
         for peer in dict.fromkeys(r["peer"] for r in rows):
@@ -143,12 +175,15 @@ def main() -> int:
                 top = max(cand, key=lambda r: r["tok_s"])
                 best[f"{peer} c={c}"] = {"tok_s": top["tok_s"], "dtype": top["dtype"]}
     for c in args.concurrency:
-        e, h = best.get(f"kvslim engine c={c}"), best.get(f"HF generate c={c}")
-        if e and h:
-            print(f"c={c}: engine {e['tok_s']:.1f} ({e['dtype']}) vs HF {h['tok_s']:.1f} ({h['dtype']}): "
-                  f"{e['tok_s'] / h['tok_s']:.2f}x")
+        h = best.get(f"HF generate c={c}")
+        for peer, _ in engines:
+            e = best.get(f"{peer} c={c}")
+            if e and h:
+                print(f"c={c}: {peer[len('kvslim '):]} {e['tok_s']:.1f} ({e['dtype']}) vs HF {h['tok_s']:.1f} "
+                      f"({h['dtype']}): {e['tok_s'] / h['tok_s']:.2f}x")
     if skipped:
         print(skipped)
+    scratch.cleanup()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"new_tokens": args.new_tokens, "threads": args.threads, "rows": rows, "best": best, "llama_cpp": skipped or "measured"}, indent=2))
