@@ -31,6 +31,7 @@ from eval.texts import DEFAULT_HEAL, RANGES, load_text
 TrainMode = Literal["attn", "all", "lora"]
 Clock = Literal["wall", "cpu"]
 TRAIN_MODES = ("attn", "all", "lora")
+MAX_STEPS = 1 << 40  # a --minutes run's step bound: the budget ends it
 ATTN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
@@ -73,6 +74,7 @@ class HealResult:
     last_loss: float
     resumed_from: int
     data: str
+    wall_seconds: float  # of this invocation (a resumed run's earlier part not included)
 
 
 def _state_dir(out: Path) -> Path:
@@ -129,9 +131,7 @@ def _lr_factor(spec: HealSpec, step: int, total: int, seconds: float) -> float:
     """Linear warmup, then cosine decay over the run (by steps, or by time with --minutes)."""
     if step < spec.warmup_steps:
         return (step + 1) / spec.warmup_steps
-    progress = step / max(total, 1)
-    if spec.minutes:
-        progress = max(progress, seconds / (60 * spec.minutes))
+    progress = seconds / (60 * spec.minutes) if spec.minutes else step / max(total, 1)
     return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
@@ -176,7 +176,8 @@ def heal(
                           f"{spec.batch_size} x {spec.seq_len} tokens; {spec.steps} requested")
     if available < 1:
         raise KvslimError(f"--data {data_name}: {len(ids)} tokens, one step needs {chunk}")
-    total = spec.steps or available
+    # A --minutes budget runs until the time is spent, going over the text again if it runs out.
+    total = spec.steps or MAX_STEPS
     order = torch.randperm(available, generator=torch.Generator().manual_seed(spec.seed))
     batches = torch.tensor(ids[: available * chunk]).view(available, spec.batch_size, spec.seq_len)[order]
 
@@ -191,13 +192,13 @@ def heal(
     start, seconds, first_loss, losses = _load_state(state_dir, spec, params, optimizer)
     last_loss = losses[-1] if losses else float("nan")
     model.train()
-    bar = tqdm(range(start, total), desc="heal", initial=start, total=total)
+    bar = tqdm(range(start, total), desc="heal", initial=start, total=spec.steps)
     completed = start
     wall = 0.0
     try:
         for step in bar:
             t0, c0 = time.perf_counter(), _cpu_time()
-            batch = batches[step].to(device)
+            batch = batches[step % available].to(device)
             with torch.no_grad():
                 target = teacher(input_ids=batch, use_cache=False).logits
             loss = distill_loss(model(input_ids=batch, use_cache=False).logits, target)
@@ -230,7 +231,7 @@ def heal(
     model.eval()
     _write_student(model, student_ckpt, spec, out, force)
     shutil.rmtree(state_dir, ignore_errors=True)
-    return HealResult(Path(out), completed, completed * chunk, seconds, first_loss, last_loss, start, data_name)
+    return HealResult(Path(out), completed, completed * chunk, seconds, first_loss, last_loss, start, data_name, wall)
 
 
 def _cpu_time() -> float:

@@ -44,6 +44,7 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences of 256 tokens per step")
     parser.add_argument("--out", default="benchmarks/results/heal_curve.json")
+    parser.add_argument("--merge", action="store_true", help="keep the other rewrites' curves already in --out")
     parser.add_argument("--keep", metavar="DIR", help="write the healed checkpoints to DIR/<rewrite> (default: discard)")
     args = parser.parse_args()
 
@@ -85,7 +86,7 @@ def main() -> int:
     del original
     print(f"original: ppl {teacher['ppl']:.3f}, {args.task} {teacher['task']:.3f}", flush=True)
     marks = [float(m) for m in args.marks.split(",")]
-    curves = {}
+    curves = json.loads(Path(args.out).read_text())["curves"] if args.merge and Path(args.out).is_file() else {}
     with tempfile.TemporaryDirectory(prefix="heal-curve-") as tmp:
         for label in args.configs.split(","):
             converted = Path(tmp) / f"conv{len(curves)}"
@@ -105,8 +106,10 @@ def main() -> int:
 
             t = time.time()
             spec = HealSpec(minutes=args.minutes, clock=args.clock, device=args.device, batch_size=args.batch_size)
-            heal(converted, source, spec,
-                 healed_dir(args.keep, tmp, label), on_step=on_step, force=True)
+            result = heal(converted, source, spec, healed_dir(args.keep, tmp, label), on_step=on_step, force=True)
+            if points[-1]["tokens"] < result.tokens:  # the budget ran out between marks
+                points.append(dict(minutes=round(result.train_seconds / 60, 2), wall_minutes=round(result.wall_seconds / 60, 2),
+                                   tokens=result.tokens, loss=round(result.last_loss, 4), **measure(load_for_eval(result.out))))
             curves[label] = dict(points=points, wall_s=round(time.time() - t, 1))
             write(args, dict(
                 model=args.model, device=args.device, teacher_ppl=teacher["ppl"], teacher_task=teacher["task"],
