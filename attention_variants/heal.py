@@ -9,6 +9,7 @@ next to the output every ``save_every`` steps and on interrupt; rerunning the sa
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import shutil
@@ -192,7 +193,8 @@ def heal(
     start, seconds, first_loss, losses = _load_state(state_dir, spec, params, optimizer)
     last_loss = losses[-1] if losses else float("nan")
     model.train()
-    bar = tqdm(range(start, total), desc="heal", initial=start, total=spec.steps)
+    bar = tqdm(range(start, total) if spec.steps else itertools.count(start), desc="heal", initial=start,
+               total=spec.steps, unit="step")
     completed = start
     wall = 0.0
     try:

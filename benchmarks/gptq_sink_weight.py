@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--dev-tokens", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--known", default="", help="weight=ppl pairs measured by an earlier run of this script, kept as rows")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig
@@ -55,6 +56,9 @@ def main() -> None:
 
     rows = {"original": score(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval())}
     print(f"original: {rows['original']:.3f} on {dev_name}", flush=True)
+    for pair in filter(None, args.known.split(",")):
+        weight, value = pair.split("=")
+        rows[f"sink_weight={float(weight):g}"] = float(value)
     calib = CalibrationSpec(CALIB, args.samples, SEQ_LEN)
     with tempfile.TemporaryDirectory(prefix="kvslim-sink-") as work:
         for weight in (float(w) for w in args.weights.split(",")):
@@ -66,14 +70,14 @@ def main() -> None:
                 out, quantization_config=CompressedTensorsConfig(dequantize=True), dtype=torch.float32).eval()
             rows[f"sink_weight={weight:g}"] = score(model)
             print(f"sink weight {weight:g}: {rows[f'sink_weight={weight:g}']:.3f} ({time.perf_counter() - t:.0f} s)", flush=True)
-    best = min((k for k in rows if k != "original"), key=rows.get)
+            best = min((k for k in rows if k != "original"), key=rows.get)
+            RESULTS.parent.mkdir(parents=True, exist_ok=True)
+            RESULTS.write_text(json.dumps({
+                "dev_text": dev_name, "calibration": calib.describe(), "context": DEFAULT_CONTEXT,
+                "stride": DEFAULT_STRIDE, "scheme": default_scheme("int4").describe(), "perplexity": rows,
+                "best": best, "machine": f"{os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} thread(s)",
+            }, indent=2) + "\n")
     print(f"best on the dev slice: {best}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "dev_text": dev_name, "calibration": calib.describe(), "context": DEFAULT_CONTEXT, "stride": DEFAULT_STRIDE,
-        "scheme": default_scheme("int4").describe(), "perplexity": rows, "best": best,
-        "machine": f"{os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} thread(s)",
-    }, indent=2) + "\n")
 
 
 if __name__ == "__main__":
