@@ -40,8 +40,8 @@ ATTN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 class HealSpec:
     steps: int | None = None
     minutes: float | None = None  # training time budget (evaluation pauses excluded)
-    # "wall": elapsed time; "cpu": process CPU time / torch threads, i.e. the wall time the same
-    # work takes on idle cores, so a budget means the same on a shared machine.
+    # "wall": elapsed time; "cpu": process CPU time / torch threads, which other processes on the
+    # cores do not inflate (on idle cores the wall time is ~1.3x that: parts of a step are serial).
     clock: Clock = "wall"
     data: str | None = None  # named range (default wikipedia:heal) or a text file
     train: TrainMode = "attn"
@@ -58,7 +58,7 @@ class HealSpec:
 @dataclass(frozen=True)
 class StepReport:
     step: int
-    total_steps: int
+    total_steps: int | None  # None when a --minutes budget ends the run
     loss: float
     train_seconds: float  # by the spec's clock
     tokens: int
@@ -221,7 +221,7 @@ def heal(
                 _save_state(state_dir, spec, params, optimizer, completed, seconds, first_loss, losses)
             if on_step is not None:
                 model.eval()
-                on_step(StepReport(completed, total, last_loss, seconds, completed * chunk, wall), model)
+                on_step(StepReport(completed, spec.steps, last_loss, seconds, completed * chunk, wall), model)
                 model.train()
             if spec.minutes is not None and seconds >= 60 * spec.minutes:
                 break
@@ -237,7 +237,7 @@ def heal(
 
 
 def _cpu_time() -> float:
-    """Process CPU seconds divided by torch's thread count (wall seconds on idle cores)."""
+    """Process CPU seconds divided by torch's thread count."""
     return time.process_time() / torch.get_num_threads()
 
 
