@@ -187,11 +187,12 @@ def plot(rows: list[CheckpointRow], path: Path, s: ReportSettings) -> None:
         ("Mean task accuracy (0-shot)", [mean_accuracy(r) for r in rows], "{:.3f}"),
         (f"Decode (tokens/s, {s.decode_batch} concurrent)", [r.decode_tokens_per_s for r in rows], "{:,.1f}"),
     ]
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5 if len(rows) <= 5 else 9.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (title, values, fmt) in zip(axes.flat, panels):
         ax.set_title(title, fontsize=11)
-        ax.set_xticks(range(len(rows)), names, rotation=20, ha="right", fontsize=9)
+        crowded = len(rows) > 5
+        ax.set_xticks(range(len(rows)), names, rotation=40 if crowded else 20, ha="right", fontsize=8 if crowded else 9)
         if all(v is None for v in values):
             ax.set_yticks([])
             ax.set_xlim(-0.5, len(rows) - 0.5)
@@ -199,7 +200,8 @@ def plot(rows: list[CheckpointRow], path: Path, s: ReportSettings) -> None:
             continue
         heights = [0.0 if v is None else v for v in values]
         bars = ax.bar(range(len(rows)), heights, color=[colors[i % len(colors)] for i in range(len(rows))])
-        ax.bar_label(bars, labels=["-" if v is None else fmt.format(v) for v in values], fontsize=8, padding=2)
+        ax.bar_label(bars, labels=["-" if v is None else fmt.format(v) for v in values],
+                     fontsize=6.5 if len(rows) > 6 else 8, padding=2)
         ax.set_ylim(0, max(heights) * 1.18 or 1.0)
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle("kvslim: bytes, quality and speed per checkpoint (measured on the kvslim runtime)", fontsize=13)
