@@ -158,6 +158,8 @@ def heal(
         raise KvslimError("--steps / --minutes must be positive")
     if spec.clock not in ("wall", "cpu"):
         raise KvslimError(f"clock {spec.clock!r}: expected wall or cpu")
+    if spec.clock == "cpu" and spec.device != "cpu":
+        raise KvslimError(f"the CPU clock measures CPU work only; use the wall clock with --device {spec.device}")
     if spec.train not in TRAIN_MODES:
         raise KvslimError(f"--train {spec.train}: expected one of {', '.join(TRAIN_MODES)}")
     if spec.device == "cuda" and not torch.cuda.is_available():

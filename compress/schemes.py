@@ -96,6 +96,8 @@ class QuantScheme:
         if self.type == "int" and self.num_bits not in (4, 8):
             raise KvslimError(f"scheme {self.name}: integer weights must be 4 or 8 bits")
         acts = self.input_activations
+        if acts is not None and acts.type != self.type:
+            raise KvslimError(f"scheme {self.name}: {acts.type} activations with {self.type} weights are not supported")
         if self.type == "int" and acts is not None and not (
             (self.num_bits, self.strategy, self.symmetric) == (8, "channel", True)
             and (acts.num_bits, acts.type, acts.strategy, acts.symmetric, acts.dynamic) == (8, "int", "token", True, True)

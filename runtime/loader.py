@@ -15,7 +15,7 @@ from torch import nn
 
 from compress.checkpoint import Checkpoint
 from compress.errors import CheckpointError, KvslimError
-from runtime.layers.fused_linear import FusedLinear, SeparateLinears, out_features, stack_linear_tensors
+from runtime.layers.fused_linear import FusedLinear, SeparateLinears, in_features, out_features, stack_linear_tensors
 from runtime.layers.linear import make_linear
 from runtime.models.decoder import Decoder
 from runtime.spec import ModelSpec
@@ -87,6 +87,10 @@ class CheckpointWeights:
         if not self.fuse or len(names) < 2 or any(s != schemes[0] for s in schemes):
             return SeparateLinears([self.linear(n, bias) for n in names])
         parts = [self._linear_tensors(n, bias) for n in names]
+        widths = [in_features(p) for p in parts]
+        if len(set(widths)) > 1:
+            raise CheckpointError(f"{self.ckpt.path}: {', '.join(names)} read the same input but have "
+                                  f"{', '.join(map(str, widths))} input features")
         for n, p in zip(names, parts):  # each part must be valid on its own: same errors as unfused
             make_linear(n, p, schemes[0], self.dtype, use_cpu_kernels=False)
         stacked = stack_linear_tensors(parts, schemes[0])

@@ -56,6 +56,13 @@ def out_features(tensors: dict[str, torch.Tensor]) -> int:
     return int(tensors["weight"].shape[0])
 
 
+def in_features(tensors: dict[str, torch.Tensor]) -> int:
+    """Input columns of one Linear's checkpoint tensors."""
+    if "weight_shape" in tensors:
+        return int(tensors["weight_shape"][1])
+    return int(tensors["weight"].shape[1])
+
+
 def stack_linear_tensors(
     parts: Sequence[dict[str, torch.Tensor]], scheme: QuantScheme | None
 ) -> dict[str, torch.Tensor] | None:

@@ -91,14 +91,20 @@ def test_resume_continues_the_same_run(pair, spec, tmp_path):
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-5)
 
 
-def test_cpu_clock_budget_counts_cpu_time_and_stops(pair, spec, tmp_path):
-    teacher, student = pair
+def test_cpu_clock_budget_follows_cpu_time_and_stops(pair, spec, tmp_path, monkeypatch):
+    import attention_variants.heal as heal_module
+
+    ticks = iter(range(0, 10_000, 30))  # a fake CPU clock: 30 s per reading, i.e. 30 s per step
+    monkeypatch.setattr(heal_module, "_cpu_time", lambda: float(next(ticks)))
     reports = []
-    budget = replace(spec, steps=None, minutes=0.002, clock="cpu")  # 0.12 CPU-seconds: a step or two
+    budget = replace(spec, steps=None, minutes=1.5, clock="cpu")  # 90 CPU-seconds: three steps
+    teacher, student = pair
     result = heal(student, teacher, budget, tmp_path / "out", on_step=lambda r, _m: reports.append(r))
-    assert 1 <= result.steps < 20
-    assert result.train_seconds >= 0.12
-    assert all(0 < r.train_seconds and 0 < r.wall_seconds for r in reports)
+    assert result.steps == 3 and result.train_seconds == 90.0
+    assert [r.train_seconds for r in reports] == [30.0, 60.0, 90.0]
+    assert all(r.wall_seconds < 30 for r in reports)  # the wall clock is kept apart
+    with pytest.raises(KvslimError, match="wall clock"):
+        heal(student, teacher, replace(budget, device="cuda"), tmp_path / "gpu")
 
 
 def test_distill_loss_is_zero_for_identical_logits():

@@ -86,3 +86,19 @@ def test_kv_readers_project_queries_only(tiny_checkpoints, tmp_path):
 def test_fused_quantized_model_logits_equal_unfused(tiny_checkpoints, tmp_path, name):
     quant = quantize_checkpoint(tiny_checkpoints["llama"], tmp_path / name, PRESETS[name], progress=False).out
     _assert_fused_equals_unfused(quant)
+
+
+def test_parts_with_different_input_widths_are_a_checkpoint_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from compress.errors import CheckpointError
+    from tests.tiny_models import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "tiny", "llama")
+    shard = next(ckpt.glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    name = "model.layers.0.self_attn.k_proj.weight"
+    tensors[name] = torch.cat([tensors[name], tensors[name][:, :8]], dim=1)
+    save_file(tensors, str(shard))
+    with pytest.raises(CheckpointError, match="read the same input"):
+        load_model(ckpt)
