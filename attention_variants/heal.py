@@ -32,7 +32,6 @@ from eval.texts import DEFAULT_HEAL, RANGES, load_text
 TrainMode = Literal["attn", "all", "lora"]
 Clock = Literal["wall", "cpu"]
 TRAIN_MODES = ("attn", "all", "lora")
-MAX_STEPS = 1 << 40  # a --minutes run's step bound: the budget ends it
 ATTN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
@@ -128,11 +127,11 @@ def trainable_names(model, student_config: dict, teacher_config: dict, mode: Tra
     return [n for n, _ in model.named_parameters() if n.startswith(prefixes)]
 
 
-def _lr_factor(spec: HealSpec, step: int, total: int, seconds: float) -> float:
+def _lr_factor(spec: HealSpec, step: int, seconds: float) -> float:
     """Linear warmup, then cosine decay over the run (by steps, or by time with --minutes)."""
     if step < spec.warmup_steps:
         return (step + 1) / spec.warmup_steps
-    progress = seconds / (60 * spec.minutes) if spec.minutes else step / max(total, 1)
+    progress = seconds / (60 * spec.minutes) if spec.minutes else step / spec.steps
     return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
@@ -179,8 +178,6 @@ def heal(
                           f"{spec.batch_size} x {spec.seq_len} tokens; {spec.steps} requested")
     if available < 1:
         raise KvslimError(f"--data {data_name}: {len(ids)} tokens, one step needs {chunk}")
-    # A --minutes budget runs until the time is spent, going over the text again if it runs out.
-    total = spec.steps or MAX_STEPS
     order = torch.randperm(available, generator=torch.Generator().manual_seed(spec.seed))
     batches = torch.tensor(ids[: available * chunk]).view(available, spec.batch_size, spec.seq_len)[order]
 
@@ -195,7 +192,8 @@ def heal(
     start, seconds, first_loss, losses = _load_state(state_dir, spec, params, optimizer)
     last_loss = losses[-1] if losses else float("nan")
     model.train()
-    bar = tqdm(range(start, total) if spec.steps else itertools.count(start), desc="heal", initial=start,
+    # A --minutes budget runs until the time is spent, going over the text again if it runs out.
+    bar = tqdm(range(start, spec.steps) if spec.steps else itertools.count(start), desc="heal", initial=start,
                total=spec.steps, unit="step")
     completed = start
     wall = 0.0
@@ -210,7 +208,7 @@ def heal(
             loss.backward()
             torch.nn.utils.clip_grad_norm_([p for _, p in params], 1.0)
             for group in optimizer.param_groups:
-                group["lr"] = spec.lr * _lr_factor(spec, step, total, seconds)
+                group["lr"] = spec.lr * _lr_factor(spec, step, seconds)
             optimizer.step()
             wall += time.perf_counter() - t0
             seconds += time.perf_counter() - t0 if spec.clock == "wall" else _cpu_time() - c0

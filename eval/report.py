@@ -120,11 +120,12 @@ def measure(name: str, ckpt: Path, s: ReportSettings, use_cache: bool = True) ->
     ppl_name = next((t for t in s.tasks if t in PERPLEXITY_TASKS), None)
     ppl = results.scores[ppl_name] if ppl_name else None
     accuracy = {t: sc.value for t, sc in results.scores.items() if t not in PERPLEXITY_TASKS}
+    tokens_per_s, decode_dtype = fastest_decode(ckpt, s)
     return CheckpointRow(
         name=name, path=str(ckpt), weight_bytes=weight_bytes(ckpt), kv_dtype=kv_dtype,
         kv_bytes_per_token=kv.formula_bytes_per_token, kv_capacity_seqs=kv.capacity_seqs,
         perplexity=ppl.value if ppl else None, perplexity_detail=ppl.detail if ppl else None,
-        accuracy=accuracy, **dict(zip(("decode_tokens_per_s", "decode_dtype"), fastest_decode(ckpt, s))),
+        accuracy=accuracy, decode_tokens_per_s=tokens_per_s, decode_dtype=decode_dtype,
     )
 
 
