@@ -63,9 +63,7 @@ def main() -> int:
     tokenizer = AutoTokenizer.from_pretrained(source)
     eval_ids = tokenize_range(tokenizer, "wikipedia:eval", max_tokens=args.tokens)
 
-    from lm_eval.api.registry import get_model
-
-    from eval.lm_eval_runner import EvalModel, EvalPlan, _lm_eval_scores
+    from eval.lm_eval_runner import EvalPlan, hf_eval_model, lm_eval_scores
 
     plan = EvalPlan.make([args.task], args.task_limit, None, 8)
 
@@ -73,8 +71,7 @@ def main() -> int:
         return perplexity(hf_logits_fn(model), eval_ids, "wikipedia:eval", CONTEXT, STRIDE).perplexity
 
     def task_score(model) -> float:
-        lm = get_model("hf")(pretrained=model, tokenizer=tokenizer, batch_size=8, device=args.device)
-        return _lm_eval_scores(EvalModel(lm, hf_logits_fn(model), tokenizer), plan)[args.task].value
+        return lm_eval_scores(hf_eval_model(model, tokenizer, 8), plan)[args.task].value
 
     def measure(model) -> dict:
         return dict(ppl=ppl(model), task=task_score(model))

@@ -76,7 +76,6 @@ def remote_code_allowed(ckpt: Path) -> bool:
 def load_hf(ckpt: Path, batch_size: int) -> EvalModel:
     """lm-eval's own ``hf`` model over a transformers model loaded from ``ckpt`` (fp32, CPU)."""
     import torch
-    from lm_eval.api.registry import get_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config_file = ckpt / "config.json"
@@ -96,10 +95,16 @@ def load_hf(ckpt: Path, batch_size: int) -> EvalModel:
         tokenizer = AutoTokenizer.from_pretrained(str(ckpt))
     except (OSError, ValueError, KeyError) as e:
         raise CheckpointError(f"{ckpt}: transformers cannot load it ({str(e).splitlines()[0]})") from None
-    model.eval()
-    lm = get_model("hf")(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(model.device))
+    return hf_eval_model(model.eval(), tokenizer, batch_size)
+
+
+def hf_eval_model(model, tokenizer, batch_size: int) -> EvalModel:
+    """lm-eval's own ``hf`` model (and a logits function) over an in-memory transformers model."""
+    from lm_eval.api.registry import get_model
+
     from eval.perplexity import hf_logits_fn
 
+    lm = get_model("hf")(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(model.device))
     return EvalModel(lm=lm, logits_fn=hf_logits_fn(model), tokenizer=tokenizer)
 
 
@@ -153,7 +158,7 @@ class EvalPlan:
         }
 
 
-def _lm_eval_scores(model: EvalModel, plan: EvalPlan) -> dict[str, TaskScore]:
+def lm_eval_scores(model: EvalModel, plan: EvalPlan) -> dict[str, TaskScore]:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
@@ -234,7 +239,7 @@ def run_eval(ckpt: Path, ckpt_sha256: str, plan: EvalPlan, backend: str = "hf") 
     torch.manual_seed(SEED)
     start, cpu_start = time.perf_counter(), _cpu_seconds()
     model = BACKENDS[backend](ckpt, plan.batch_size)
-    scores = {**_lm_eval_scores(model, plan), **_perplexity_scores(model, plan)}
+    scores = {**lm_eval_scores(model, plan), **_perplexity_scores(model, plan)}
     ordered = {t: scores[t] for t in plan.tasks}
     return EvalResults(
         checkpoint=str(ckpt),

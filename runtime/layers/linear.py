@@ -153,9 +153,9 @@ class W8A8Linear(_QuantizedLinear):
             acc = torch._int_mm(q, self.weight.t())  # [N, K] row-major as stored: its .t() is the fast layout
         else:
             acc = F.linear(q.float(), self.weight.float())
-        y = (acc.float() * x_scale.float() * self.channel_scale).to(x.dtype)
+        y = acc.float().mul_(x_scale).mul_(self.channel_scale).to(x.dtype)  # scaled in place
         if self.bias is not None:
-            y = y + self.bias
+            y.add_(self.bias)
         return y.reshape(*lead, self.out_features)
 
 
@@ -269,6 +269,9 @@ def make_linear(
     if missing:
         raise CheckpointError(f"{name}: scheme {scheme.name} needs tensors {', '.join(name + '.' + m for m in missing)}")
     if not scheme.is_packed:
+        rows, scales = tensors["weight"].shape[0], tensors["weight_scale"].numel()
+        if scheme.strategy == "channel" and scales != rows:
+            raise CheckpointError(f"{name}.weight_scale has {scales} values, per-channel {scheme.name} needs {rows}")
         if scheme.type == "float" and tensors["weight"].dtype != FP8_DTYPE:
             raise CheckpointError(f"{name}.weight is {tensors['weight'].dtype}, scheme {scheme.name} declares FP8")
         if scheme.type != "float":

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from compress.checkpoint import Checkpoint
 from compress.primitives import compute_qparams, dequantize_linear, encode_linear, quantize
 from compress.quantize import quantize_checkpoint
+from compress.errors import CheckpointError
 from compress.schemes import FP8_DYNAMIC, PRESETS, W4A16, W4A16_ASYM, W8A8, W8A16
 from runtime.layers.linear import (
     Fp8Linear, Int4PackLinear, Int8PackLinear, PackedIntLinear, W8A8Linear, fake_quantize_fp8_per_token,
@@ -319,3 +320,11 @@ def test_w8a8_checkpoint_close_to_transformers_compressed_tensors(quantized):
     ids = torch.randint(0, 512, (24,), generator=torch.Generator().manual_seed(1))
     ref = hf_logits(hf_model(quantized["W8A8"]), ids)
     _w8a8_logits_close(runtime_logits(load_model(quantized["W8A8"], "float32"), ids, (10,)), ref)
+
+
+@pytest.mark.parametrize("scheme", [FP8_DYNAMIC, W8A8], ids=lambda s: s.name)
+def test_per_channel_scale_of_the_wrong_size_is_a_checkpoint_error(scheme):
+    tensors = _tensors(scheme, out=64)
+    tensors["weight_scale"] = tensors["weight_scale"][:32]
+    with pytest.raises(CheckpointError, match="weight_scale has 32 values"):
+        make_linear("q_proj", tensors, scheme, torch.float32)
