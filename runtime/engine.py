@@ -28,6 +28,7 @@ from compress.checkpoint import Checkpoint
 from compress.errors import KvslimError
 from runtime.block_manager import BlockManager
 from runtime.kv_cache import KVCache, KVCacheSpec
+from runtime.kv_quant import QUANT_DTYPES
 from runtime.models.decoder import Decoder
 from runtime.paged_backend import PagedAttentionBackend, PagedBatch
 from runtime.sampling import SamplingParams, TokenLogprob, make_generator, sample, token_logprobs
@@ -114,7 +115,7 @@ class Engine:
         spec = model.spec
         layout: AttentionLayout = spec.attention
         kv_dtype = config.kv_dtype or kv_dtype_default or MODEL_KV_DTYPES[model.dtype]
-        static = layer_scales is not None and kv_dtype in ("fp8_e4m3", "int8")
+        static = layer_scales is not None and kv_dtype in QUANT_DTYPES
         self.kv_spec = KVCacheSpec.from_layout(layout, kv_dtype, config.block_size, static_scales=static)
         self.max_model_len = config.max_model_len or min(spec.max_position_embeddings, 4096)
         num_blocks = self.kv_spec.plan_num_blocks(config.kv_cache_bytes, self.max_model_len)
