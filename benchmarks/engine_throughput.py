@@ -4,7 +4,10 @@ llama-cpp-python (when importable), at 1, 8 and 32 concurrent requests.
 Prompts: consecutive 128-token slices of ``wikipedia:eval`` (real text); each request generates
 exactly 128 tokens (EOS ignored), greedy. Throughput = generated tokens / wall time from submit
 to the last token (prefill included), all requests together. Each peer runs at each dtype given;
-the summary picks its fastest per concurrency and says which.
+the summary picks its fastest per concurrency and says which. Every measurement runs in a fresh
+process (engines built one after another in one process measured up to 30% slower), and
+``--repeats N`` measures every row N times, interleaved, keeping the best (this shared machine's
+speed drifts by +-30% between runs).
 
 Quantized checkpoints run as their own engine peers ("kvslim engine W8A8", named by the scheme in
 their config), at the same activation dtypes: ``--engine-w8a8`` first quantizes the model to W8A8
@@ -20,6 +23,8 @@ import importlib.util
 import json
 import os
 import platform
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -122,9 +127,13 @@ def main() -> int:
                     help="also run the engine on these (quantized) checkpoints, one peer each")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="tokens generated per request")
+    ap.add_argument("--repeats", type=int, default=1, help="measure every row this many times, keep the best")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--single", nargs=4, metavar=("PEER", "PATH", "DTYPE", "C"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.single:
+        return measure_single(args)
 
     from transformers import AutoTokenizer
 
@@ -136,17 +145,20 @@ def main() -> int:
     engines = [("kvslim engine", model_dir)]
     extra = ([quantize_w8a8(model_dir, Path(scratch.name))] if args.engine_w8a8 else []) + args.engine_checkpoints
     engines += [(f"kvslim engine {checkpoint_label(p)}", p) for p in extra]
+    plan = [(peer, path, dt, c) for c in args.concurrency for peer, path in engines for dt in args.engine_dtypes]
+    plan += [("HF generate", model_dir, dt, c) for c in args.concurrency for dt in args.hf_dtypes]
+    runs: dict[tuple, list[dict]] = {}
+    for rep in range(args.repeats):
+        for peer, path, dt, c in plan:
+            r = in_subprocess(args, peer, path, dt, c)
+            runs.setdefault((peer, str(path), dt, c), []).append(r)
+            print(f"repeat {rep + 1}/{args.repeats}: {peer} {dt} c={c} {path.name}: {r['tok_s']:.1f} tok/s", flush=True)
     rows = []
-    for c in args.concurrency:
-        for peer, path in engines:
-            for dt in args.engine_dtypes:
-                r = run_engine(path, dt, prompts[:c], args.new_tokens)
-                rows.append({"peer": peer, "dtype": f"{dt} (KV {r.pop('kv_dtype')})", "concurrency": c,
-                             "checkpoint": str(path), **r})
-                print(rows[-1], flush=True)
-        for dt in args.hf_dtypes:
-            rows.append({"peer": "HF generate", "dtype": dt, "concurrency": c, **run_hf(model_dir, dt, prompts[:c], args.new_tokens)})
-            print(rows[-1], flush=True)
+    for (peer, path, dt, c), rs in runs.items():
+        top = max(rs, key=lambda r: r["tok_s"])
+        label = f"{dt} (KV {top['kv_dtype']})" if "kv_dtype" in top else dt
+        rows.append({"peer": peer, "dtype": label, "concurrency": c, "checkpoint": path,
+                     **{k: v for k, v in top.items() if k != "kv_dtype"}, "all_tok_s": [r["tok_s"] for r in rs]})
     skipped = None
     if importlib.util.find_spec("llama_cpp") is None:
         skipped = "llama-cpp-python is not installed (it compiles from source for ~11 min); skipped"
@@ -187,6 +199,28 @@ def main() -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"new_tokens": args.new_tokens, "threads": args.threads, "rows": rows, "best": best, "llama_cpp": skipped or "measured"}, indent=2))
+    return 0
+
+
+def in_subprocess(args, peer: str, path: Path, dtype: str, concurrency: int) -> dict:
+    """One measurement in a fresh Python process (same flags); its result is its last stdout line."""
+    cmd = [sys.executable, __file__, "--model", args.model, "--threads", str(args.threads),
+           "--new-tokens", str(args.new_tokens), "--single", peer, str(path), dtype, str(concurrency)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{peer} {dtype} c={concurrency} failed: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure_single(args) -> int:
+    from transformers import AutoTokenizer
+
+    from compress.model_source import resolve_model
+
+    peer, path, dtype, c = args.single
+    prompts = real_prompts(AutoTokenizer.from_pretrained(resolve_model(args.model)), int(c))
+    run = run_hf if peer == "HF generate" else run_engine
+    print(json.dumps(run(Path(path), dtype, prompts, args.new_tokens)))
     return 0
 
 
