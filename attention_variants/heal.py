@@ -2,7 +2,8 @@
 
 The student (a `compress convert` output) learns to match the teacher's (the original model's)
 next-token distributions, KL(teacher || student) on every position, over real text disjoint
-from evaluation text (``wikipedia:heal`` by default). By default only the attention projections
+from evaluation text (``wikipedia:heal`` by default); ``hidden_weight > 0`` adds hidden-state
+matching (every decoder layer's output, relative squared error per token). By default only the attention projections
 of the layers whose attention the rewrite changed are trained; everything else stays
 bit-identical. Training state (trainable tensors, AdamW moments, step) is saved as safetensors
 next to the output every ``save_every`` steps and on interrupt; rerunning the same command resumes.
@@ -49,6 +50,7 @@ class HealSpec:
     batch_size: int = 4
     lr: float = 5e-4
     warmup_steps: int = 5
+    hidden_weight: float = 0.0  # weight of hidden_state_loss added to the KL (0: logits only)
     lora_rank: int = 16
     save_every: int = 25
     seed: int = 0
@@ -142,6 +144,20 @@ def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> 
     return (t.exp() * (t - s)).sum(-1).mean()
 
 
+def hidden_state_loss(student_hidden: tuple[torch.Tensor, ...], teacher_hidden: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Mean over decoder-layer outputs and tokens of ``|h_s - h_t|^2 / |h_t|^2``.
+
+    Per token relative, so the attention-sink tokens (residual norms ~10x the others) do not
+    outweigh the rest. Index 0 (the embeddings, shared by both models) is skipped.
+    """
+    losses = []
+    for s, t in zip(student_hidden[1:], teacher_hidden[1:], strict=True):
+        t = t.float()
+        err = (s.float() - t).pow(2).sum(-1)
+        losses.append((err / t.pow(2).sum(-1).clamp_min(1e-6)).mean())
+    return torch.stack(losses).mean()
+
+
 def heal(
     student_dir: Path, teacher_dir: Path, spec: HealSpec, out: Path, force: bool = False,
     on_step: Callable[[StepReport, torch.nn.Module], None] | None = None,
@@ -159,6 +175,8 @@ def heal(
         raise KvslimError(f"clock {spec.clock!r}: expected wall or cpu")
     if spec.clock == "cpu" and spec.device != "cpu":
         raise KvslimError(f"the CPU clock measures CPU work only; use the wall clock with --device {spec.device}")
+    if spec.hidden_weight < 0:
+        raise KvslimError(f"--hidden-weight {spec.hidden_weight}: must be >= 0")
     if spec.train not in TRAIN_MODES:
         raise KvslimError(f"--train {spec.train}: expected one of {', '.join(TRAIN_MODES)}")
     if spec.device == "cuda" and not torch.cuda.is_available():
@@ -201,9 +219,13 @@ def heal(
         for step in bar:
             t0, c0 = time.perf_counter(), _cpu_time()
             batch = batches[step % available].to(device)
+            hidden = spec.hidden_weight > 0
             with torch.no_grad():
-                target = teacher(input_ids=batch, use_cache=False).logits
-            loss = distill_loss(model(input_ids=batch, use_cache=False).logits, target)
+                target = teacher(input_ids=batch, use_cache=False, output_hidden_states=hidden)
+            pred = model(input_ids=batch, use_cache=False, output_hidden_states=hidden)
+            loss = distill_loss(pred.logits, target.logits)
+            if hidden:
+                loss = loss + spec.hidden_weight * hidden_state_loss(pred.hidden_states, target.hidden_states)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_([p for _, p in params], 1.0)

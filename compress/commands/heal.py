@@ -1,4 +1,4 @@
-"""`compress heal`: distil the original model into a converted one (KL on logits)."""
+"""`compress heal`: distil the original model into a converted one (KL on logits, optionally hidden states)."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +18,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per step")
     p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (warmup, then cosine)")
+    p.add_argument("--hidden-weight", type=float, default=0.0, metavar="W",
+                   help="add W x hidden-state matching (every layer's output, relative error per token) to the KL")
     p.add_argument("--eval-tokens", type=int, default=2048,
                    help="perplexity on this many wikipedia:eval tokens before and after (0: skip)")
     p.add_argument("--force", action="store_true", help="overwrite an existing output")
@@ -27,7 +29,8 @@ def spec_from_args(args: argparse.Namespace):
     from attention_variants.heal import HealSpec
 
     return HealSpec(steps=args.steps, minutes=args.minutes, data=args.data, train=args.train, device=args.device,
-                    seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr)
+                    seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
+                    hidden_weight=args.hidden_weight)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"healed {args.converted} -> {result.out}: {result.steps} steps, {result.tokens} tokens of {result.data}, "
           f"{result.train_seconds / 60:.1f} min on {args.device}"
           + (f" (resumed at step {result.resumed_from})" if result.resumed_from else ""))
-    print(f"  distillation loss (KL, nats/token): {result.first_loss:.4f} -> {result.last_loss:.4f}")
+    what = "KL, nats/token" + (f" + {args.hidden_weight:g} x hidden-state error" if args.hidden_weight else "")
+    print(f"  distillation loss ({what}): {result.first_loss:.4f} -> {result.last_loss:.4f}")
     if args.eval_tokens > 0:
         print(f"  before: {eval_perplexity(resolve_model(args.converted), args.eval_tokens).describe()}")
         print(f"  after:  {eval_perplexity(result.out, args.eval_tokens).describe()}")

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from attention_variants.convert import ConvertSpec, convert
-from attention_variants.heal import HealSpec, distill_loss, heal
+from attention_variants.heal import HealSpec, distill_loss, heal, hidden_state_loss
 from attention_variants.summary import load_for_eval
 from compress.cli import main
 from compress.errors import KvslimError
@@ -112,6 +112,33 @@ def test_distill_loss_is_zero_for_identical_logits():
     assert float(distill_loss(x, x)) == pytest.approx(0.0, abs=1e-6)
 
 
+@torch.no_grad()
+def _held_out_hidden_error(student, teacher):
+    ids = _eval_ids(teacher)
+    s = load_for_eval(student)(ids, output_hidden_states=True).hidden_states
+    return float(hidden_state_loss(s, load_for_eval(teacher)(ids, output_hidden_states=True).hidden_states))
+
+
+def test_hidden_state_matching_lowers_held_out_hidden_error_and_kl(pair, spec, tmp_path):
+    teacher, student = pair
+    out = tmp_path / "healed"
+    result = heal(student, teacher, replace(spec, hidden_weight=1.0), out)
+    assert result.last_loss < result.first_loss
+    assert _held_out_hidden_error(out, teacher) < _held_out_hidden_error(student, teacher)
+    assert _held_out_kl(out, teacher) < _held_out_kl(student, teacher)
+
+
+def test_hidden_state_loss_is_zero_for_identical_states_and_relative_per_token():
+    h = tuple(torch.randn(2, 5, 8) for _ in range(3))
+    assert float(hidden_state_loss(h, h)) == 0.0
+    sink = tuple(x.clone() for x in h)
+    for x in sink:
+        x[:, 0] *= 100  # a token with 100x the norm counts as much as any other
+    off = tuple(x * 1.1 for x in sink)
+    assert float(hidden_state_loss(off, sink)) == pytest.approx(0.01, rel=1e-4)
+    assert float(hidden_state_loss(h[:1] + off[1:], h[:1] + sink[1:])) == pytest.approx(0.01, rel=1e-4)
+
+
 def test_bad_input(pair, tiny_llama, heal_text, tmp_path, capsys):
     teacher, student = pair
     out = tmp_path / "out"
@@ -120,6 +147,7 @@ def test_bad_input(pair, tiny_llama, heal_text, tmp_path, capsys):
         ([str(teacher), "--teacher", str(teacher), "--steps", "1"], "not a `compress convert` output"),
         ([str(student), "--teacher", str(teacher), "--steps", "100", "--data", str(heal_text)], "steps of"),
         ([str(student), "--teacher", str(teacher), "--steps", "1", "--data", "wikipedia:eval"], "evaluation text"),
+        ([str(student), "--teacher", str(teacher), "--steps", "1", "--hidden-weight", "-1"], "--hidden-weight"),
     ]
     for flags, message in cases:
         assert main(["heal", *flags, "--eval-tokens", "0", "-o", str(out)]) == 2
