@@ -53,6 +53,8 @@ VARIANTS: dict[str, tuple[str, str, bool]] = {
     "w8a8_rtn": ("w8a8", "rtn", False),
     "w8a8_gptq": ("w8a8", "gptq", False),
     "int4_gptq_actorder": ("int4", "gptq", True),
+    "fp8_gptq_actorder": ("fp8", "gptq", True),
+    "w8a8_gptq_actorder": ("w8a8", "gptq", True),
 }
 TARGETS = {"fp8": 1.0, "int8": 1.0, "w8a8": 1.0, "int4": 10.0}  # max % perplexity increase; INT4 gap also <= 0.8x RTN's
 # Kinds evaluated with their activation quantization applied (transformers' default route).

@@ -43,6 +43,9 @@ def main() -> int:
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences of 256 tokens per step")
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default: HealSpec's)")
+    parser.add_argument("--hidden-weight", type=float, default=0.0, help="hidden-state matching weight (0: KL only)")
+    parser.add_argument("--train", default="attn", choices=("attn", "all", "lora"))
     parser.add_argument("--out", default="benchmarks/results/heal_curve.json")
     parser.add_argument("--merge", action="store_true", help="keep the other rewrites' curves already in --out")
     parser.add_argument("--keep", metavar="DIR", help="write the healed checkpoints to DIR/<rewrite> (default: discard)")
@@ -85,9 +88,10 @@ def main() -> int:
     marks = [float(m) for m in args.marks.split(",")]
     curves = json.loads(Path(args.out).read_text())["curves"] if args.merge and Path(args.out).is_file() else {}
     with tempfile.TemporaryDirectory(prefix="heal-curve-") as tmp:
-        for label in args.configs.split(","):
+        for rewrite in args.configs.split(","):
+            label = rewrite + settings_suffix(args)
             converted = Path(tmp) / f"conv{len(curves)}"
-            convert(source, ConvertSpec(**CONFIGS[label]), converted, calib=calib)
+            convert(source, ConvertSpec(**CONFIGS[rewrite]), converted, calib=calib)
             points = [dict(minutes=0.0, wall_minutes=0.0, tokens=0, loss=None, **measure(load_for_eval(converted)))]
             print(f"{label}: 0.0 min ppl {points[0]['ppl']:.2f} {args.task} {points[0]['task']:.3f}", flush=True)
             pending = list(marks)
@@ -102,26 +106,36 @@ def main() -> int:
                           f"loss {p['loss']}, ppl {p['ppl']:.2f}, {args.task} {p['task']:.3f}", flush=True)
 
             t = time.time()
-            spec = HealSpec(minutes=args.minutes, clock=args.clock, device=args.device, batch_size=args.batch_size)
+            spec = HealSpec(minutes=args.minutes, clock=args.clock, device=args.device, batch_size=args.batch_size,
+                            lr=args.lr or HealSpec.lr, hidden_weight=args.hidden_weight, train=args.train)
             result = heal(converted, source, spec, healed_dir(args.keep, tmp, label), on_step=on_step, force=True)
             if points[-1]["tokens"] < result.tokens:  # the budget ran out between marks
                 points.append(dict(minutes=round(result.train_seconds / 60, 2), wall_minutes=round(result.wall_seconds / 60, 2),
                                    tokens=result.tokens, loss=round(result.last_loss, 4), **measure(load_for_eval(result.out))))
-            curves[label] = dict(points=points, wall_s=round(time.time() - t, 1))
+            curves[label] = dict(points=points, wall_s=round(time.time() - t, 1), minutes=args.minutes,
+                                 lr=spec.lr, hidden_weight=spec.hidden_weight, train=spec.train)
             write(args, dict(
                 model=args.model, device=args.device, teacher_ppl=teacher["ppl"], teacher_task=teacher["task"],
                 clock=args.clock, task=f"{args.task}, first {plan.limits[args.task]} docs, 0-shot",
                 eval=f"wikipedia:eval, first {args.tokens} tokens, context {CONTEXT}, stride {STRIDE}",
-                heal=f"wikipedia:heal, batch {args.batch_size} x 256 tokens, attention of rewritten layers, KL on logits, "
-                     f"AdamW lr {HealSpec.lr}, {HealSpec.warmup_steps} warmup steps then cosine over {args.minutes} "
-                     f"{args.clock} minutes",
+                heal=f"wikipedia:heal, batch {args.batch_size} x 256 tokens, KL on logits (+ hidden-state matching "
+                     f"where a curve's hidden_weight > 0), AdamW at each curve's lr and train set, "
+                     f"{HealSpec.warmup_steps} warmup steps then cosine over each curve's {args.clock} minutes",
                 calibration=calib.describe(), machine=f"{platform.machine()}, {torch.get_num_threads()} threads",
                 curves=curves))
     return 0
 
 
+def settings_suffix(args) -> str:
+    """`` [lr 0.0002, hidden 1, train all]`` for the settings that differ from the defaults."""
+    parts = [f"lr {args.lr:g}"] if args.lr else []
+    parts += [f"hidden {args.hidden_weight:g}"] if args.hidden_weight else []
+    parts += [f"train {args.train}"] if args.train != "attn" else []
+    return f" [{', '.join(parts)}]" if parts else ""
+
+
 def healed_dir(keep: str | None, tmp: str, label: str) -> Path:
-    slug = label.lower().replace(" + ", "-").replace(" ", "")
+    slug = label.lower().replace(" + ", "-").replace(" ", "").replace("[", "-").replace("]", "").replace(",", "-")
     return Path(keep or tmp) / f"healed-{slug}"
 
 

@@ -219,11 +219,11 @@ def _set_qparams(
 
 
 def with_act_order(scheme: QuantScheme) -> QuantScheme:
-    """``scheme`` recording GPTQ activation ordering; only the integer weight-only formats
-    (``pack-quantized``, vLLM's WNA16 path) carry it."""
-    if not scheme.is_packed:
-        raise KvslimError(
-            f"--act-order needs an integer weight-only format (--int4/--int8, pack-quantized); "
-            f"{scheme.name} is {scheme.format}, which carries no activation order"
-        )
+    """``scheme`` recording GPTQ activation ordering (compressed-tensors' ``actorder: "weight"``).
+
+    Every format kvslim writes carries it without a ``weight_g_idx``: per-channel scales (FP8,
+    W8A8, INT8 channel) do not depend on the column order at all, and group scales are fixed up
+    front in the original order (see the module docstring)."""
+    if scheme.strategy not in ("channel", "group"):
+        raise KvslimError(f"--act-order: {scheme.name} has {scheme.strategy} weight scales; GPTQ orders channel or group ones")
     return replace(scheme, actorder="weight")

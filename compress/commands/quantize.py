@@ -25,7 +25,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=("rtn", "gptq"), default="rtn",
                    help="rtn: round-to-nearest (default); gptq: calibrated, layer by layer")
     p.add_argument("--act-order", action="store_true",
-                   help="GPTQ: visit columns by decreasing activation energy (actorder 'weight'; INT4/INT8 only)")
+                   help="GPTQ: visit columns by decreasing activation energy (recorded as actorder 'weight')")
     p.add_argument("--dampening", type=float, default=None, metavar="F",
                    help="GPTQ: fraction of the mean Hessian diagonal added to it (default 0.01)")
     p.add_argument("--calib", default=None, metavar="TEXT",
@@ -100,7 +100,8 @@ def _calibrated(args: argparse.Namespace, scheme, source):
 
     if args.act_order:
         with_act_order(scheme)  # refuse formats that cannot carry it, before calibrating
-    options = GPTQOptions(dampening=DEFAULT_DAMPENING if args.dampening is None else args.dampening)
+    options = GPTQOptions(dampening=DEFAULT_DAMPENING if args.dampening is None else args.dampening,
+                          act_order=args.act_order)
     spec = CalibrationSpec(
         args.calib or DEFAULT_CALIB_TEXT,
         DEFAULT_NUM_SAMPLES if args.num_calib_samples is None else args.num_calib_samples,

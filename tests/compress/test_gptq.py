@@ -3,6 +3,7 @@ of a tiny model, and act-order output that compressed-tensors decompresses to ou
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -114,10 +115,11 @@ def test_gptq_beats_rtn_on_held_out_layer_outputs(scheme, tiny_llama):
     assert err_gptq < 0.9 * err_rtn, (err_gptq, err_rtn)
 
 
-def test_act_order_checkpoint_loads_through_compressed_tensors(tiny_llama, tmp_path):
+@pytest.mark.parametrize("base", [W4A16_ASYM, FP8_DYNAMIC], ids=["int4-group", "fp8-channel"])
+def test_act_order_checkpoint_loads_through_compressed_tensors(base, tiny_llama, tmp_path):
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    scheme = with_act_order(W4A16_ASYM)
+    scheme = with_act_order(base)
     stream = LayerStream(LazyDecoderStack(Checkpoint.open(tiny_llama)), zipf_ids(4, 32, seed=5))
     quantizer = SequentialQuantizer(stream, "gptq", GPTQOptions(act_order=True))
     out = quantize_checkpoint(tiny_llama, tmp_path / "ao", scheme, quantizer=quantizer, progress=False).out
@@ -133,6 +135,6 @@ def test_act_order_checkpoint_loads_through_compressed_tensors(tiny_llama, tmp_p
         assert torch.equal(model.get_submodule(m).weight.data, dequantize_linear(tensors, scheme)), m
 
 
-def test_act_order_refused_for_fp8():
+def test_act_order_refused_for_per_tensor_scales():
     with pytest.raises(KvslimError, match="act-order"):
-        with_act_order(FP8_DYNAMIC)
+        with_act_order(replace(FP8_DYNAMIC, strategy="tensor"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from compress.cli import main
 from compress.checkpoint import Checkpoint
@@ -75,8 +76,20 @@ def test_evaluation_range_refused_for_calibration(tiny_with_tokenizer, tmp_path,
     assert "eval range" in err
 
 
+def test_cli_act_order_changes_the_weights(tiny_with_tokenizer, tmp_path):
+    outs = {}
+    for name, extra in (("plain", []), ("ordered", ["--act-order"])):
+        outs[name] = tmp_path / name
+        assert main(["quantize", str(tiny_with_tokenizer), "--fp8", "--method", "gptq", *extra, "--num-calib-samples",
+                     "4", "--calib-seq-len", "64", "-o", str(outs[name]), "--no-progress"]) == 0
+    plain, ordered = Checkpoint.open(outs["plain"]), Checkpoint.open(outs["ordered"])
+    weights = [n for n in plain.names() if n.endswith(".weight") and plain.get(n).dtype == torch.float8_e4m3fn]
+    assert weights and any(not torch.equal(plain.get(n).float(), ordered.get(n).float()) for n in weights)
+    qc = json.loads((outs["ordered"] / "config.json").read_text())["quantization_config"]
+    assert qc["config_groups"]["group_0"]["weights"]["actorder"] == "weight"
+
+
 @pytest.mark.parametrize("flags,needle", [
-    (["--fp8", "--method", "gptq", "--act-order"], "act-order needs an integer"),
     (["--int4", "--act-order"], "add --method gptq"),
     (["--int4", "--dampening", "0.1"], "add --method gptq"),
     (["--int4", "--num-calib-samples", "8"], "needs calibration"),
