@@ -55,7 +55,10 @@ VARIANTS: dict[str, tuple[str, str, bool]] = {
     "int4_gptq_actorder": ("int4", "gptq", True),
     "fp8_gptq_actorder": ("fp8", "gptq", True),
     "w8a8_gptq_actorder": ("w8a8", "gptq", True),
+    "int4_gptq_actorder_mse": ("int4", "gptq", True),  # + the mse observer (OBSERVER below)
+    "fp8_gptq_actorder_mse": ("fp8", "gptq", True),
 }
+OBSERVER = {name: "mse" for name in VARIANTS if name.endswith("_mse")}
 TARGETS = {"fp8": 1.0, "int8": 1.0, "w8a8": 1.0, "int4": 10.0}  # max % perplexity increase; INT4 gap also <= 0.8x RTN's
 # Kinds evaluated with their activation quantization applied (transformers' default route).
 ACTIVATION_QUANTIZED = ("w8a8", "fp8")
@@ -85,12 +88,14 @@ def run_variant(name: str, src: Path, ids: torch.Tensor, work: Path, calib: Cali
     start = time.perf_counter()
     quantizer = None
     if method == "gptq":
-        quantizer = calibrated_quantizer(src, "gptq", calib, GPTQOptions(act_order=act_order))
+        options = GPTQOptions(act_order=act_order, observer=OBSERVER.get(name, "minmax"))
+        quantizer = calibrated_quantizer(src, "gptq", calib, options)
     result = quantize_checkpoint(src, work / name, scheme, quantizer=quantizer, force=True, progress=False)
     seconds = time.perf_counter() - start
     load = {} if kind in ACTIVATION_QUANTIZED else {"quantization_config": CompressedTensorsConfig(dequantize=True)}
     model = AutoModelForCausalLM.from_pretrained(result.out, dtype=torch.float32, **load).eval()
     row = {"method": f"{method.upper()} {scheme.describe()}" + (" act-order" if act_order else "")
+           + (f" {OBSERVER[name]} observer" if name in OBSERVER else "")
            + ("; activations fake-quantized by compressed-tensors" if kind in ACTIVATION_QUANTIZED else ""),
            "kind": kind, "quantize_seconds": round(seconds, 1),
            "calibration": calib.describe() if method == "gptq" else None, **_ppl(model, ids)}

@@ -26,6 +26,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="rtn: round-to-nearest (default); gptq: calibrated, layer by layer")
     p.add_argument("--act-order", action="store_true",
                    help="GPTQ: visit columns by decreasing activation energy (recorded as actorder 'weight')")
+    p.add_argument("--observer", choices=("minmax", "mse"), default=None,
+                   help="GPTQ: scale ranges from min-max (default) or shrunk to the least-error range (mse)")
     p.add_argument("--dampening", type=float, default=None, metavar="F",
                    help="GPTQ: fraction of the mean Hessian diagonal added to it (default 0.01)")
     p.add_argument("--calib", default=None, metavar="TEXT",
@@ -86,7 +88,8 @@ def _calibrated(args: argparse.Namespace, scheme, source):
 
     calib_flags = [f for f, v in (("--calib", args.calib), ("--num-calib-samples", args.num_calib_samples),
                                   ("--calib-seq-len", args.calib_seq_len)) if v is not None]
-    gptq_flags = [f for f, v in (("--act-order", args.act_order), ("--dampening", args.dampening is not None)) if v]
+    gptq_flags = [f for f, v in (("--act-order", args.act_order), ("--dampening", args.dampening is not None),
+                                 ("--observer", args.observer is not None)) if v]
     if args.method != "gptq" and gptq_flags:
         raise KvslimError(f"{gptq_flags[0]} is a GPTQ option; add --method gptq")
     if args.method != "gptq" and not args.kv_cache_fp8:
@@ -101,7 +104,7 @@ def _calibrated(args: argparse.Namespace, scheme, source):
     if args.act_order:
         with_act_order(scheme)  # refuse formats that cannot carry it, before calibrating
     options = GPTQOptions(dampening=DEFAULT_DAMPENING if args.dampening is None else args.dampening,
-                          act_order=args.act_order)
+                          act_order=args.act_order, observer=args.observer or "minmax")
     spec = CalibrationSpec(
         args.calib or DEFAULT_CALIB_TEXT,
         DEFAULT_NUM_SAMPLES if args.num_calib_samples is None else args.num_calib_samples,
@@ -112,5 +115,6 @@ def _calibrated(args: argparse.Namespace, scheme, source):
     what = ["GPTQ" if args.method == "gptq" else "", "FP8 KV-cache scales" if args.kv_cache_fp8 else ""]
     note = f"calibration ({' + '.join(w for w in what if w)}): {spec.describe()}"
     if args.method == "gptq":
-        note += f", dampening {options.dampening}" + (", act-order" if args.act_order else "")
+        note += (f", dampening {options.dampening}" + (", act-order" if args.act_order else "")
+                 + (f", {options.observer} observer" if options.observer != "minmax" else ""))
     return quantizer, KV_CACHE_SCHEME if args.kv_cache_fp8 else None, note

@@ -138,3 +138,28 @@ def test_act_order_checkpoint_loads_through_compressed_tensors(base, tiny_llama,
 def test_act_order_refused_for_per_tensor_scales():
     with pytest.raises(KvslimError, match="act-order"):
         with_act_order(replace(FP8_DYNAMIC, strategy="tensor"))
+
+
+def test_mse_observer_lowers_weight_error_and_decodes_exactly():
+    from compress.algorithms.gptq import mse_range
+    from compress.primitives import qparams_from_range
+
+    torch.manual_seed(0)
+    w = torch.distributions.StudentT(3.0).sample((64, 32))  # heavy tails: min-max wastes levels
+    lo, hi = w.amin(1), w.amax(1)
+
+    def err(lo_, hi_):
+        s, z = qparams_from_range(lo_, hi_, W4A16_ASYM)
+        dq = (torch.clamp(torch.round(w / s[:, None] + z[:, None]), 0, 15) - z[:, None]) * s[:, None]
+        return float((dq - w).abs().pow(2.4).sum())
+
+    # The full range is one of the candidates, so never worse; on heavy tails strictly better.
+    assert err(*mse_range(w, lo, hi, W4A16_ASYM)) < err(lo, hi)
+    h = hessian_from_inputs(torch.randn(256, 32))
+    result = gptq_quantize(w, h, replace(W4A16_ASYM, group_size=32), GPTQOptions(observer="mse"))
+    assert torch.equal(dequantize_linear(result.tensors, replace(W4A16_ASYM, group_size=32)), result.dequantized)
+
+
+def test_unknown_observer_is_refused():
+    with pytest.raises(KvslimError, match="observer"):
+        GPTQOptions(observer="percentile")

@@ -92,6 +92,7 @@ def test_cli_act_order_changes_the_weights(tiny_with_tokenizer, tmp_path):
 @pytest.mark.parametrize("flags,needle", [
     (["--int4", "--act-order"], "add --method gptq"),
     (["--int4", "--dampening", "0.1"], "add --method gptq"),
+    (["--int4", "--observer", "mse"], "add --method gptq"),
     (["--int4", "--num-calib-samples", "8"], "needs calibration"),
     (["--int4", "--method", "gptq", "--dampening", "2"], "dampening"),
     (["--int4", "--method", "gptq", "--num-calib-samples", "0"], "positive"),
