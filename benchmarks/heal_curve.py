@@ -157,11 +157,12 @@ def write(args, result: dict) -> None:
     for ax, ref, ylabel in ((ax_ppl, result["teacher_ppl"], f"perplexity ({result['eval']})"),
                             (ax_task, result["teacher_task"], f"accuracy ({result['task']})")):
         ax.axhline(ref, color="k", linestyle="--", label="original")
+        if ax is ax_ppl:
+            ax.axhline(1.10 * ref, color="g", linestyle=":", label="+10%")
         ax.set_xlabel(f"healing minutes ({args.device}, {args.clock} clock)")
         ax.set_ylabel(ylabel, fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    ax_ppl.axhline(1.10 * result["teacher_ppl"], color="g", linestyle=":", label="+10%")
     ax_ppl.set_yscale("log")
     fig.suptitle(f"Healing {result['model']}: {result['heal']}", fontsize=8)
     fig.tight_layout()
