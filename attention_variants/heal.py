@@ -3,9 +3,9 @@
 The student (a `compress convert` output) learns to match the teacher's (the original model's)
 next-token distributions, KL(teacher || student) on every position, over real text disjoint
 from evaluation text (``wikipedia:heal`` by default); ``hidden_weight > 0`` adds hidden-state
-matching (every decoder layer's output, relative squared error per token). By default only the attention projections
-of the layers whose attention the rewrite changed are trained; everything else stays
-bit-identical. Training state (trainable tensors, AdamW moments, step) is saved as safetensors
+matching (every decoder layer's output, relative squared error per token). By default only the
+attention projections of the layers whose attention the rewrite changed are trained; everything
+else stays bit-identical. Training state (trainable tensors, AdamW moments, step) is saved as safetensors
 next to the output every ``save_every`` steps and on interrupt; rerunning the same command resumes.
 """
 from __future__ import annotations

@@ -56,7 +56,7 @@ VARIANTS: dict[str, tuple[str, str, bool]] = {
     "fp8_gptq_actorder": ("fp8", "gptq", True),
     "w8a8_gptq_actorder": ("w8a8", "gptq", True),
     "int4_gptq_actorder_mse": ("int4", "gptq", True),  # + the mse observer (OBSERVER below)
-    "fp8_gptq_actorder_mse": ("fp8", "gptq", True),
+    "fp8_gptq_mse": ("fp8", "gptq", False),
 }
 OBSERVER = {name: "mse" for name in VARIANTS if name.endswith("_mse")}
 TARGETS = {"fp8": 1.0, "int8": 1.0, "w8a8": 1.0, "int4": 10.0}  # max % perplexity increase; INT4 gap also <= 0.8x RTN's

@@ -41,9 +41,9 @@ class GPTQOptions:
     block_size: int = DEFAULT_BLOCK_SIZE
     act_order: bool = False
     sink_weight: float = DEFAULT_SINK_WEIGHT
-    # "mse": each scale's range shrunk (down to 0.8x, 100 steps) to minimise the |w - q(w)|^2.4
-    # error of its own weights, as the reference GPTQ's ``find_params(mse=True)``; "minmax": the
-    # full range, as RTN.
+    # "mse": each scale's range shrunk (1x, 0.99x, ... 0.81x) to the one of least |w - q(w)|^2.4
+    # error over its own weights, like the reference GPTQ's ``find_params(mse=True)``; "minmax":
+    # the full range, as RTN.
     observer: str = "minmax"
 
     def __post_init__(self) -> None:
@@ -232,7 +232,7 @@ def _set_qparams(
 
 
 def mse_range(block: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of ``block [rows, n]``: the range ``p * [lo, hi]``, p in (0.8, 1], whose
+    """Per row of ``block [rows, n]``: the range ``p * [lo, hi]``, p = 1, 0.99, ... 0.81, whose
     quantize-dequantize error ``sum |w - q(w)|^2.4`` is least (ties keep the larger range)."""
     x = block.float()
     best_err = torch.full((x.shape[0],), float("inf"))
