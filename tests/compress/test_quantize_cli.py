@@ -169,7 +169,6 @@ def test_conflicting_flags(tiny_llama, tmp_path, capsys):
     (["--fp8", "--asymmetric"], "symmetric only"),
     (["--w8a8", "--group-size", "64"], "per-channel symmetric"),
     (["--w8a8", "--asymmetric"], "per-channel symmetric"),
-    (["--w8a8", "--method", "gptq", "--act-order"], "carries no activation order"),
     (["--int4", "--ignore", "model.layers.9.mlp.up_proj"], "matches no Linear"),
 ])
 def test_impossible_options(args, needle, tiny_llama, tmp_path, capsys):
