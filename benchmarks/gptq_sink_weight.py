@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from compress.algorithms.gptq import GPTQOptions
+from compress.algorithms.gptq import GPTQOptions, with_act_order
 from compress.calibration import CalibrationSpec
 from compress.layer_stream import calibrated_quantizer
 from compress.model_source import resolve_model
@@ -39,7 +39,11 @@ def main() -> None:
     parser.add_argument("--dev-tokens", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--known", default="", help="weight=ppl pairs measured by an earlier run of this script, kept as rows")
+    parser.add_argument("--act-order", action="store_true", help="GPTQ with act-order (every run)")
+    parser.add_argument("--observer", default="minmax", choices=("minmax", "mse"), help="GPTQ's range observer (every run)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    levers = (" act-order" if args.act_order else "") + (f" {args.observer}" if args.observer != "minmax" else "")
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig
 
@@ -63,16 +67,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvslim-sink-") as work:
         for weight in (float(w) for w in args.weights.split(",")):
             t = time.perf_counter()
-            quantizer = calibrated_quantizer(src, "gptq", calib, GPTQOptions(sink_weight=weight))
-            out = quantize_checkpoint(src, Path(work) / f"w{weight:g}", default_scheme("int4"), quantizer=quantizer,
+            options = GPTQOptions(sink_weight=weight, act_order=args.act_order, observer=args.observer)
+            quantizer = calibrated_quantizer(src, "gptq", calib, options)
+            scheme = with_act_order(default_scheme("int4")) if args.act_order else default_scheme("int4")
+            out = quantize_checkpoint(src, Path(work) / f"w{weight:g}", scheme, quantizer=quantizer,
                                       force=True, progress=False).out
             model = AutoModelForCausalLM.from_pretrained(
                 out, quantization_config=CompressedTensorsConfig(dequantize=True), dtype=torch.float32).eval()
-            rows[f"sink_weight={weight:g}"] = score(model)
-            print(f"sink weight {weight:g}: {rows[f'sink_weight={weight:g}']:.3f} ({time.perf_counter() - t:.0f} s)", flush=True)
+            key = f"sink_weight={weight:g}{levers}"
+            rows[key] = score(model)
+            print(f"{key}: {rows[key]:.3f} ({time.perf_counter() - t:.0f} s)", flush=True)
             best = min((k for k in rows if k != "original"), key=rows.get)
-            RESULTS.parent.mkdir(parents=True, exist_ok=True)
-            RESULTS.write_text(json.dumps({
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({
                 "dev_text": dev_name, "calibration": calib.describe(), "context": DEFAULT_CONTEXT,
                 "stride": DEFAULT_STRIDE, "scheme": default_scheme("int4").describe(), "perplexity": rows,
                 "best": best, "machine": f"{os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} thread(s)",
