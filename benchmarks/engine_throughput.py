@@ -5,9 +5,9 @@ Prompts: consecutive 128-token slices of ``wikipedia:eval`` (real text); each re
 exactly 128 tokens (EOS ignored), greedy. Throughput = generated tokens / wall time from submit
 to the last token (prefill included), all requests together. Each peer runs at each dtype given;
 the summary picks its fastest per concurrency and says which. Every measurement runs in a fresh
-process (engines built one after another in one process measured up to 30% slower), and
-``--repeats N`` measures every row N times, interleaved, keeping the best (this shared machine's
-speed drifts by +-30% between runs).
+process, under each OpenMP wait policy of ``--omp-policies`` (the policy is fixed when a process
+loads OpenMP), and ``--repeats N`` measures every row N times, interleaved, keeping the best
+(this shared machine's speed drifts by +-30% between runs).
 
 Quantized checkpoints run as their own engine peers ("kvslim engine W8A8", named by the scheme in
 their config), at the same activation dtypes: ``--engine-w8a8`` first quantizes the model to W8A8
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 # OpenMP's wait policy decides a peer's speed: on idle cores spinning (ACTIVE) is fastest (llama.cpp
-# 3.4x, our engine 1.6x, HF 1.25x faster than PASSIVE, measured here); on a shared, oversubscribed
+# 3-4x, our engine and HF 1.2-2x faster than PASSIVE, measured here); on a shared, oversubscribed
 # CPU spinning makes every GEMM ~30x slower. Each measurement's process gets the policy it runs
 # under (``--omp-policies``); this default covers the parent process only.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
