@@ -46,6 +46,7 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default: HealSpec's)")
     parser.add_argument("--hidden-weight", type=float, default=0.0, help="hidden-state matching weight (0: KL only)")
     parser.add_argument("--train", default="attn", choices=("attn", "all", "lora"))
+    parser.add_argument("--tag", default="", help="appended to each curve's label (e.g. the budget, to keep two apart)")
     parser.add_argument("--out", default="benchmarks/results/heal_curve.json")
     parser.add_argument("--merge", action="store_true", help="keep the other rewrites' curves already in --out")
     parser.add_argument("--keep", metavar="DIR", help="write the healed checkpoints to DIR/<rewrite> (default: discard)")
@@ -89,7 +90,7 @@ def main() -> int:
     curves = json.loads(Path(args.out).read_text())["curves"] if args.merge and Path(args.out).is_file() else {}
     with tempfile.TemporaryDirectory(prefix="heal-curve-") as tmp:
         for rewrite in args.configs.split(","):
-            label = rewrite + settings_suffix(args)
+            label = rewrite + settings_suffix(args) + (f" {args.tag}" if args.tag else "")
             converted = Path(tmp) / f"conv{len(curves)}"
             convert(source, ConvertSpec(**CONFIGS[rewrite]), converted, calib=calib)
             points = [dict(minutes=0.0, wall_minutes=0.0, tokens=0, loss=None, **measure(load_for_eval(converted)))]
