@@ -20,18 +20,20 @@ output loads the same way.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 
 from compress.errors import KvslimError
-from compress.primitives import dequantize, encode_linear, qparams_from_range
+from compress.primitives import dequantize, encode_linear, qparams_from_range, quantize
 from compress.schemes import QuantScheme
 
 DEFAULT_DAMPENING = 0.01
 DEFAULT_BLOCK_SIZE = 128
 # Weight of each calibration window's first token in the Hessians (see compress.layer_stream).
 DEFAULT_SINK_WEIGHT = 16.0
-OBSERVERS = ("minmax", "mse")
+Observer = Literal["minmax", "mse"]
+OBSERVERS: tuple[Observer, ...] = ("minmax", "mse")
 MSE_GRID, MSE_MAX_SHRINK, MSE_NORM = 100, 0.2, 2.4
 
 
@@ -44,7 +46,7 @@ class GPTQOptions:
     # "mse": each scale's range shrunk (1x, 0.99x, ... 0.81x) to the one of least |w - q(w)|^2.4
     # error over its own weights, like the reference GPTQ's ``find_params(mse=True)``; "minmax":
     # the full range, as RTN.
-    observer: str = "minmax"
+    observer: Observer = "minmax"
 
     def __post_init__(self) -> None:
         if not 0 < self.dampening < 1:
@@ -232,20 +234,17 @@ def _set_qparams(
 
 
 def mse_range(block: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of ``block [rows, n]``: the range ``p * [lo, hi]``, p = 1, 0.99, ... 0.81, whose
-    quantize-dequantize error ``sum |w - q(w)|^2.4`` is least (ties keep the larger range)."""
+    """Per row of ``block [rows, n]`` (one group, or a whole row for the channel strategy): the
+    range ``p * [lo, hi]``, p = 1, 0.99, ... 0.81, whose quantize-dequantize error
+    ``sum |w - q(w)|^2.4`` is least (ties keep the larger range). Rounds as RTN stores."""
     x = block.float()
     best_err = torch.full((x.shape[0],), float("inf"))
     best_lo, best_hi = lo.clone(), hi.clone()
     for i in range(int(MSE_MAX_SHRINK * MSE_GRID)):
         p = 1 - i / MSE_GRID
         s, z = qparams_from_range(lo * p, hi * p, scheme)
-        s32 = s.float()[:, None]
-        v = x / s32 + (z.float()[:, None] if z is not None else 0)
-        v = torch.clamp(v, scheme.q_min, scheme.q_max)
-        q = v.to(torch.float8_e4m3fn).float() if scheme.type == "float" else torch.round(v)
-        dq = (q - (z.float()[:, None] if z is not None else 0)) * s32
-        err = (dq - x).abs().pow(MSE_NORM).sum(dim=1)
+        s, z = s[:, None], None if z is None else z[:, None]
+        err = (dequantize(quantize(block, s, z, scheme), s, z, scheme).float() - x).abs().pow(MSE_NORM).sum(dim=1)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_lo = torch.where(better, lo * p, best_lo)
@@ -259,6 +258,4 @@ def with_act_order(scheme: QuantScheme) -> QuantScheme:
     Every format kvslim writes carries it without a ``weight_g_idx``: per-channel scales (FP8,
     W8A8, INT8 channel) do not depend on the column order at all, and group scales are fixed up
     front in the original order (see the module docstring)."""
-    if scheme.strategy not in ("channel", "group"):
-        raise KvslimError(f"--act-order: {scheme.name} has {scheme.strategy} weight scales; GPTQ orders channel or group ones")
     return replace(scheme, actorder="weight")

@@ -96,13 +96,11 @@ def _calibrated(args: argparse.Namespace, scheme, source):
         if calib_flags:
             raise KvslimError(f"{calib_flags[0]} needs calibration: add --method gptq or --kv-cache-fp8")
         return None, None, ""
-    from compress.algorithms.gptq import DEFAULT_DAMPENING, GPTQOptions, with_act_order
+    from compress.algorithms.gptq import DEFAULT_DAMPENING, GPTQOptions
     from compress.calibration import DEFAULT_CALIB_TEXT, DEFAULT_NUM_SAMPLES, DEFAULT_SEQ_LEN, CalibrationSpec
     from compress.kv_scales import KV_CACHE_SCHEME
     from compress.layer_stream import calibrated_quantizer
 
-    if args.act_order:
-        with_act_order(scheme)  # refuse formats that cannot carry it, before calibrating
     options = GPTQOptions(dampening=DEFAULT_DAMPENING if args.dampening is None else args.dampening,
                           act_order=args.act_order, observer=args.observer or "minmax")
     spec = CalibrationSpec(

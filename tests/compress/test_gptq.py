@@ -14,7 +14,7 @@ from compress.errors import KvslimError
 from compress.layer_stream import SINK_WEIGHT, HessianCollector, LayerStream, LazyDecoderStack, SequentialQuantizer
 from compress.primitives import dequantize_linear, quantize_dequantize
 from compress.quantize import quantize_checkpoint
-from compress.schemes import FP8_DYNAMIC, W4A16, W4A16_ASYM, W8A16
+from compress.schemes import FP8_DYNAMIC, W4A16, W4A16_ASYM, W8A8, W8A16
 from tests.compress.calib_tokens import zipf_ids
 
 SCHEMES = [W4A16, W4A16_ASYM, W8A16, FP8_DYNAMIC, W8A16.with_options(group_size=32, symmetric=False)]
@@ -135,9 +135,11 @@ def test_act_order_checkpoint_loads_through_compressed_tensors(base, tiny_llama,
         assert torch.equal(model.get_submodule(m).weight.data, dequantize_linear(tensors, scheme)), m
 
 
-def test_act_order_refused_for_per_tensor_scales():
-    with pytest.raises(KvslimError, match="act-order"):
-        with_act_order(replace(FP8_DYNAMIC, strategy="tensor"))
+@pytest.mark.parametrize("scheme", [FP8_DYNAMIC, W8A8, W8A16, W4A16, W4A16_ASYM], ids=lambda s: s.name)
+def test_act_order_is_recorded_for_every_written_format(scheme):
+    ordered = with_act_order(scheme)
+    assert ordered.actorder == "weight" and replace(ordered, actorder=None) == scheme
+    assert ordered.weights_config()["actorder"] == "weight"
 
 
 def test_mse_observer_lowers_weight_error_and_decodes_exactly():
@@ -146,18 +148,19 @@ def test_mse_observer_lowers_weight_error_and_decodes_exactly():
 
     torch.manual_seed(0)
     w = torch.distributions.StudentT(3.0).sample((64, 32))  # heavy tails: min-max wastes levels
+    g32 = replace(W4A16_ASYM, group_size=32)  # one group per row
     lo, hi = w.amin(1), w.amax(1)
 
     def err(lo_, hi_):
-        s, z = qparams_from_range(lo_, hi_, W4A16_ASYM)
+        s, z = qparams_from_range(lo_, hi_, g32)
         dq = (torch.clamp(torch.round(w / s[:, None] + z[:, None]), 0, 15) - z[:, None]) * s[:, None]
         return float((dq - w).abs().pow(2.4).sum())
 
     # The full range is one of the candidates, so never worse; on heavy tails strictly better.
-    assert err(*mse_range(w, lo, hi, W4A16_ASYM)) < err(lo, hi)
+    assert err(*mse_range(w, lo, hi, g32)) < err(lo, hi)
     h = hessian_from_inputs(torch.randn(256, 32))
-    result = gptq_quantize(w, h, replace(W4A16_ASYM, group_size=32), GPTQOptions(observer="mse"))
-    assert torch.equal(dequantize_linear(result.tensors, replace(W4A16_ASYM, group_size=32)), result.dequantized)
+    result = gptq_quantize(w, h, g32, GPTQOptions(observer="mse"))
+    assert torch.equal(dequantize_linear(result.tensors, g32), result.dequantized)
 
 
 def test_unknown_observer_is_refused():
