@@ -215,11 +215,11 @@ def heal(
                total=spec.steps, unit="step")
     completed = start
     wall = 0.0
+    hidden = spec.hidden_weight > 0  # match hidden states too
     try:
         for step in bar:
             t0, c0 = time.perf_counter(), _cpu_time()
             batch = batches[step % available].to(device)
-            hidden = spec.hidden_weight > 0
             with torch.no_grad():
                 target = teacher(input_ids=batch, use_cache=False, output_hidden_states=hidden)
             pred = model(input_ids=batch, use_cache=False, output_hidden_states=hidden)

@@ -167,14 +167,14 @@ def main() -> int:
         for peer, path, dt, c in plan:
             for policy in args.omp_policies:
                 r = in_subprocess(args, peer, path, dt, c, policy)
-                runs.setdefault((peer, str(path), f"{dt}, OMP {policy}", c), []).append(r)
+                runs.setdefault((peer, str(path), dt, policy, c), []).append(r)
                 print(f"repeat {rep + 1}/{args.repeats}: {peer} {dt} OMP {policy} c={c} {path.name}: "
                       f"{r['tok_s']:.1f} tok/s", flush=True)
     rows = []
-    for (peer, path, dt, c), rs in runs.items():
+    for (peer, path, dt, policy, c), rs in runs.items():
         top = max(rs, key=lambda r: r["tok_s"])
-        label = dt.replace(",", f" (KV {top['kv_dtype']}),", 1) if "kv_dtype" in top else dt
-        rows.append({"peer": peer, "dtype": label, "concurrency": c, "checkpoint": path,
+        kv = f" (KV {top['kv_dtype']})" if "kv_dtype" in top else ""
+        rows.append({"peer": peer, "dtype": f"{dt}{kv}, OMP {policy}", "concurrency": c, "checkpoint": path,
                      **{k: v for k, v in top.items() if k != "kv_dtype"}, "all_tok_s": [r["tok_s"] for r in rs]})
     print(f"\nAggregate generated tok/s, {PROMPT_TOKENS}-token wikipedia:eval prompts, {args.new_tokens} new tokens "
           f"each, greedy, {args.threads} threads ({platform.processor() or platform.machine()})")
@@ -223,7 +223,8 @@ def in_subprocess(args, peer: str, path: Path, dtype: str, concurrency: int, omp
            "--new-tokens", str(args.new_tokens), "--single", peer, str(path), dtype, str(concurrency)]
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_WAIT_POLICY": omp_policy})
     if done.returncode != 0:
-        raise SystemExit(f"{peer} {dtype} c={concurrency} failed: {done.stderr.strip().splitlines()[-1:]}")
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"{peer} {dtype} c={concurrency} OMP {omp_policy} failed: {last}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

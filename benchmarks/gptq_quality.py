@@ -42,23 +42,22 @@ from eval.perplexity import DEFAULT_CONTEXT, DEFAULT_STRIDE, hf_logits_fn, perpl
 TEXT = "wikipedia:eval"
 CALIB = "wikipedia:calib"
 RESULTS = Path(__file__).parent / "results" / "gptq_quality.json"
-# name -> (scheme kind, method, act-order)
-VARIANTS: dict[str, tuple[str, str, bool]] = {
-    "int4_rtn": ("int4", "rtn", False),
-    "int4_gptq": ("int4", "gptq", False),
-    "fp8_rtn": ("fp8", "rtn", False),
-    "fp8_gptq": ("fp8", "gptq", False),
-    "int8_rtn": ("int8", "rtn", False),
-    "int8_gptq": ("int8", "gptq", False),
-    "w8a8_rtn": ("w8a8", "rtn", False),
-    "w8a8_gptq": ("w8a8", "gptq", False),
-    "int4_gptq_actorder": ("int4", "gptq", True),
-    "fp8_gptq_actorder": ("fp8", "gptq", True),
-    "w8a8_gptq_actorder": ("w8a8", "gptq", True),
-    "int4_gptq_actorder_mse": ("int4", "gptq", True),  # + the mse observer (OBSERVER below)
-    "fp8_gptq_mse": ("fp8", "gptq", False),
+# name -> (scheme kind, method, act-order, GPTQ range observer)
+VARIANTS: dict[str, tuple[str, str, bool, str]] = {
+    "int4_rtn": ("int4", "rtn", False, "minmax"),
+    "int4_gptq": ("int4", "gptq", False, "minmax"),
+    "fp8_rtn": ("fp8", "rtn", False, "minmax"),
+    "fp8_gptq": ("fp8", "gptq", False, "minmax"),
+    "int8_rtn": ("int8", "rtn", False, "minmax"),
+    "int8_gptq": ("int8", "gptq", False, "minmax"),
+    "w8a8_rtn": ("w8a8", "rtn", False, "minmax"),
+    "w8a8_gptq": ("w8a8", "gptq", False, "minmax"),
+    "int4_gptq_actorder": ("int4", "gptq", True, "minmax"),
+    "fp8_gptq_actorder": ("fp8", "gptq", True, "minmax"),
+    "w8a8_gptq_actorder": ("w8a8", "gptq", True, "minmax"),
+    "int4_gptq_actorder_mse": ("int4", "gptq", True, "mse"),
+    "fp8_gptq_mse": ("fp8", "gptq", False, "mse"),
 }
-OBSERVER = {name: "mse" for name in VARIANTS if name.endswith("_mse")}
 TARGETS = {"fp8": 1.0, "int8": 1.0, "w8a8": 1.0, "int4": 10.0}  # max % perplexity increase; INT4 gap also <= 0.8x RTN's
 # Kinds evaluated with their activation quantization applied (transformers' default route).
 ACTIVATION_QUANTIZED = ("w8a8", "fp8")
@@ -81,21 +80,21 @@ def run_original(src: Path, ids: torch.Tensor) -> dict:
 def run_variant(name: str, src: Path, ids: torch.Tensor, work: Path, calib: CalibrationSpec) -> dict:
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    kind, method, act_order = VARIANTS[name]
+    kind, method, act_order, observer = VARIANTS[name]
     scheme: QuantScheme = default_scheme(kind)
     if act_order:
         scheme = with_act_order(scheme)
     start = time.perf_counter()
     quantizer = None
     if method == "gptq":
-        options = GPTQOptions(act_order=act_order, observer=OBSERVER.get(name, "minmax"))
+        options = GPTQOptions(act_order=act_order, observer=observer)
         quantizer = calibrated_quantizer(src, "gptq", calib, options)
     result = quantize_checkpoint(src, work / name, scheme, quantizer=quantizer, force=True, progress=False)
     seconds = time.perf_counter() - start
     load = {} if kind in ACTIVATION_QUANTIZED else {"quantization_config": CompressedTensorsConfig(dequantize=True)}
     model = AutoModelForCausalLM.from_pretrained(result.out, dtype=torch.float32, **load).eval()
     row = {"method": f"{method.upper()} {scheme.describe()}" + (" act-order" if act_order else "")
-           + (f" {OBSERVER[name]} observer" if name in OBSERVER else "")
+           + (f" {observer} observer" if observer != "minmax" else "")
            + ("; activations fake-quantized by compressed-tensors" if kind in ACTIVATION_QUANTIZED else ""),
            "kind": kind, "quantize_seconds": round(seconds, 1),
            "calibration": calib.describe() if method == "gptq" else None, **_ppl(model, ids)}
