@@ -24,10 +24,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="Linear module left unquantized: exact name or 're:REGEX' (repeatable; default: lm_head)")
     p.add_argument("--method", choices=("rtn", "gptq"), default="rtn",
                    help="rtn: round-to-nearest (default); gptq: calibrated, layer by layer")
-    p.add_argument("--act-order", action="store_true",
-                   help="GPTQ: visit columns by decreasing activation energy (recorded as actorder 'weight')")
+    p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPTQ: visit columns by decreasing activation energy (recorded as actorder 'weight'); "
+                        "default: on for --int4, off otherwise")
     p.add_argument("--observer", choices=("minmax", "mse"), default=None,
-                   help="GPTQ: scale ranges from min-max (default) or shrunk to the least-error range (mse)")
+                   help="GPTQ: scale ranges from min-max or shrunk to the least-error range (mse); "
+                        "default: mse for --int4, minmax otherwise")
     p.add_argument("--dampening", type=float, default=None, metavar="F",
                    help="GPTQ: fraction of the mean Hessian diagonal added to it (default 0.01)")
     p.add_argument("--calib", default=None, metavar="TEXT",
@@ -52,8 +54,8 @@ def run(args: argparse.Namespace) -> int:
     scheme = default_scheme(args.kind).with_options(group_size=args.group_size, symmetric=args.symmetric)
     source = resolve_model(args.model)
     ignore = tuple(args.ignore) if args.ignore else DEFAULT_IGNORE
-    quantizer, kv_cache_scheme, calib_note = _calibrated(args, scheme, source)
-    if args.act_order:
+    quantizer, kv_cache_scheme, calib_note, act_order = _calibrated(args, scheme, source)
+    if act_order:
         from compress.algorithms.gptq import with_act_order
 
         scheme = with_act_order(scheme)
@@ -78,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _calibrated(args: argparse.Namespace, scheme, source):
-    """``(quantizer or None, kv_cache_scheme or None, note)`` for --method gptq / --kv-cache-fp8.
+    """``(quantizer or None, kv_cache_scheme or None, note, act_order)`` for --method gptq /
+    --kv-cache-fp8; unset GPTQ flags take ``default_options(scheme)``.
 
     Every calibration flag is checked here, before anything is computed or written."""
     from pathlib import Path
@@ -88,21 +91,26 @@ def _calibrated(args: argparse.Namespace, scheme, source):
 
     calib_flags = [f for f, v in (("--calib", args.calib), ("--num-calib-samples", args.num_calib_samples),
                                   ("--calib-seq-len", args.calib_seq_len)) if v is not None]
-    gptq_flags = [f for f, v in (("--act-order", args.act_order), ("--dampening", args.dampening is not None),
-                                 ("--observer", args.observer is not None)) if v]
+    gptq_flags = [f for f, v in (("--act-order", args.act_order), ("--dampening", args.dampening),
+                                 ("--observer", args.observer)) if v is not None]
     if args.method != "gptq" and gptq_flags:
         raise KvslimError(f"{gptq_flags[0]} is a GPTQ option; add --method gptq")
     if args.method != "gptq" and not args.kv_cache_fp8:
         if calib_flags:
             raise KvslimError(f"{calib_flags[0]} needs calibration: add --method gptq or --kv-cache-fp8")
-        return None, None, ""
-    from compress.algorithms.gptq import DEFAULT_DAMPENING, GPTQOptions
+        return None, None, "", False
+    from dataclasses import replace
+
+    from compress.algorithms.gptq import default_options
     from compress.calibration import DEFAULT_CALIB_TEXT, DEFAULT_NUM_SAMPLES, DEFAULT_SEQ_LEN, CalibrationSpec
     from compress.kv_scales import KV_CACHE_SCHEME
     from compress.layer_stream import calibrated_quantizer
 
-    options = GPTQOptions(dampening=DEFAULT_DAMPENING if args.dampening is None else args.dampening,
-                          act_order=args.act_order, observer=args.observer or "minmax")
+    defaults = default_options(scheme)
+    options = replace(defaults,
+                      dampening=defaults.dampening if args.dampening is None else args.dampening,
+                      act_order=defaults.act_order if args.act_order is None else args.act_order,
+                      observer=args.observer or defaults.observer)
     spec = CalibrationSpec(
         args.calib or DEFAULT_CALIB_TEXT,
         DEFAULT_NUM_SAMPLES if args.num_calib_samples is None else args.num_calib_samples,
@@ -113,6 +121,7 @@ def _calibrated(args: argparse.Namespace, scheme, source):
     what = ["GPTQ" if args.method == "gptq" else "", "FP8 KV-cache scales" if args.kv_cache_fp8 else ""]
     note = f"calibration ({' + '.join(w for w in what if w)}): {spec.describe()}"
     if args.method == "gptq":
-        note += (f", dampening {options.dampening}" + (", act-order" if args.act_order else "")
-                 + (f", {options.observer} observer" if options.observer != "minmax" else ""))
-    return quantizer, KV_CACHE_SCHEME if args.kv_cache_fp8 else None, note
+        note += (f", dampening {options.dampening}" + (", act-order" if options.act_order else "")
+                 + f", {options.observer} observer")
+    act_order = args.method == "gptq" and options.act_order
+    return quantizer, KV_CACHE_SCHEME if args.kv_cache_fp8 else None, note, act_order

@@ -8,13 +8,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from compress.algorithms.gptq import GPTQOptions, gptq_quantize, hessian_from_inputs, with_act_order
+from compress.algorithms.gptq import GPTQOptions, default_options, gptq_quantize, hessian_from_inputs, with_act_order
 from compress.checkpoint import Checkpoint
 from compress.errors import KvslimError
 from compress.layer_stream import SINK_WEIGHT, HessianCollector, LayerStream, LazyDecoderStack, SequentialQuantizer
 from compress.primitives import dequantize_linear, quantize_dequantize
 from compress.quantize import quantize_checkpoint
-from compress.schemes import FP8_DYNAMIC, W4A16, W4A16_ASYM, W8A8, W8A16
+from compress.schemes import FP8_DYNAMIC, W4A16, W4A16_ASYM, W8A8, W8A16, default_scheme
 from tests.compress.calib_tokens import zipf_ids
 
 SCHEMES = [W4A16, W4A16_ASYM, W8A16, FP8_DYNAMIC, W8A16.with_options(group_size=32, symmetric=False)]
@@ -166,3 +166,11 @@ def test_mse_observer_lowers_weight_error_and_decodes_exactly():
 def test_unknown_observer_is_refused():
     with pytest.raises(KvslimError, match="observer"):
         GPTQOptions(observer="percentile")
+
+
+def test_default_options_follow_the_measured_levers():
+    int4 = default_options(default_scheme("int4"))
+    assert (int4.act_order, int4.observer) == (True, "mse")
+    for kind in ("int8", "fp8", "w8a8"):
+        options = default_options(default_scheme(kind))
+        assert (options.act_order, options.observer) == (False, "minmax")

@@ -89,8 +89,30 @@ def test_cli_act_order_changes_the_weights(tiny_with_tokenizer, tmp_path):
     assert qc["config_groups"]["group_0"]["weights"]["actorder"] == "weight"
 
 
+def test_int4_gptq_defaults_to_act_order_and_mse(tiny_with_tokenizer, tmp_path, capsys):
+    def run(name: str, extra: list[str]) -> tuple[str, dict]:
+        out = tmp_path / name
+        assert main(["quantize", str(tiny_with_tokenizer), "--int4", "--method", "gptq", *extra, "--num-calib-samples",
+                     "2", "--calib-seq-len", "32", "-o", str(out), "--no-progress"]) == 0
+        qc = json.loads((out / "config.json").read_text())["quantization_config"]
+        return capsys.readouterr().out, qc["config_groups"]["group_0"]["weights"]
+
+    stdout, weights = run("default", [])
+    assert "act-order, mse observer" in stdout and weights["actorder"] == "weight"
+    stdout, weights = run("plain", ["--no-act-order", "--observer", "minmax"])
+    assert "act-order" not in stdout and "minmax observer" in stdout and weights.get("actorder") is None
+
+
+def test_fp8_gptq_defaults_to_plain_order_and_minmax(tiny_with_tokenizer, tmp_path, capsys):
+    assert main(["quantize", str(tiny_with_tokenizer), "--fp8", "--method", "gptq", "--num-calib-samples", "2",
+                 "--calib-seq-len", "32", "-o", str(tmp_path / "f"), "--no-progress"]) == 0
+    stdout = capsys.readouterr().out
+    assert "act-order" not in stdout and "minmax observer" in stdout
+
+
 @pytest.mark.parametrize("flags,needle", [
     (["--int4", "--act-order"], "add --method gptq"),
+    (["--int4", "--no-act-order"], "add --method gptq"),
     (["--int4", "--dampening", "0.1"], "add --method gptq"),
     (["--int4", "--observer", "mse"], "add --method gptq"),
     (["--int4", "--num-calib-samples", "8"], "needs calibration"),
