@@ -114,12 +114,14 @@ class _ReadPlan:
     The same for every layer of the group, so computed once per step."""
 
     decode_blocks: torch.Tensor | None  # [S_decode, nb] physical block ids
-    decode_allowed: torch.Tensor | None  # [S_decode, 1, nb * block_size]
-    decode_bias: torch.Tensor | None  # the same as an additive mask [S_decode, 1, 1, Tk] (0 / -inf), q's dtype
+    # One of these two masks, by the decode path that reads it: a boolean [S_decode, 1, Tk] for the
+    # softcap path, an additive [S_decode, 1, 1, Tk] (0 / -inf, q's dtype) for SDPA.
+    decode_allowed: torch.Tensor | None
+    decode_bias: torch.Tensor | None
     chunks: tuple[tuple[int, slice, torch.Tensor, torch.Tensor], ...]  # (seq, rows, blocks [1, nb], allowed [1, n, Tk])
 
 
-def _plan(batch: PagedBatch, table: torch.Tensor, window: int | None, dtype: torch.dtype) -> _ReadPlan:
+def _plan(batch: PagedBatch, table: torch.Tensor, window: int | None, dtype: torch.dtype, softcap: bool) -> _ReadPlan:
     bs = batch.block_size
     decode_blocks = decode_allowed = decode_bias = None
     if batch.decode_seqs.numel():
@@ -136,8 +138,10 @@ def _plan(batch: PagedBatch, table: torch.Tensor, window: int | None, dtype: tor
         allowed = key_pos < ctx[:, None]
         if window is not None:
             allowed &= key_pos >= (ctx - window)[:, None]
-        decode_allowed = allowed.unsqueeze(1)
-        decode_bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))[:, None, None]
+        if softcap:
+            decode_allowed = allowed.unsqueeze(1)
+        else:
+            decode_bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))[:, None, None]
     chunks = []
     starts = batch.query_start_loc.tolist()
     for i, n in enumerate(batch.query_lens):
@@ -184,7 +188,7 @@ class PagedAttentionBackend:
         self.cache = cache
         self.params = tuple(params)
         self.batch: PagedBatch | None = None
-        self._plans: dict[tuple[int, int | None, torch.dtype], _ReadPlan] = {}
+        self._plans: dict[tuple[int, int | None, torch.dtype, bool], _ReadPlan] = {}
 
     def set_batch(self, batch: PagedBatch) -> None:
         self.batch = batch
@@ -197,9 +201,10 @@ class PagedAttentionBackend:
         params = self.params[layer_idx]
         if k is not None:
             self.cache.write(layer_idx, k, v, batch.slot_mapping[g])
-        key = (g, params.window, q.dtype)
+        softcap = params.softcap is not None
+        key = (g, params.window, q.dtype, softcap)
         if key not in self._plans:
-            self._plans[key] = _plan(batch, batch.block_tables[g], params.window, q.dtype)
+            self._plans[key] = _plan(batch, batch.block_tables[g], params.window, q.dtype, softcap)
         plan = self._plans[key]
         if plan.decode_blocks is not None and not plan.chunks:  # a pure decode step
             kk, vv = self.cache.gather(layer_idx, plan.decode_blocks, q.dtype)

@@ -82,19 +82,24 @@ def fake_quantize_int8_per_token(x: torch.Tensor) -> torch.Tensor:
     return q.to(x.dtype) * scale
 
 
-def int_mm_runs(x2: torch.Tensor, out_features: int) -> bool:
-    """Can ``torch._int_mm`` take ``x2 [M, K]`` against a ``[K, out_features]`` weight?
+# torch._int_mm on CUDA needs more than 16 rows and K, N multiples of 8; CPU takes every shape.
+CUDA_INT_MM_MIN_ROWS = 17
 
-    CPU takes every shape; CUDA needs more than 16 rows and K, N multiples of 8.
-    """
-    m, k = x2.shape
-    if m == 0:
-        return False
-    if x2.device.type == "cpu":
-        return True
-    if x2.device.type == "cuda":
-        return m > 16 and k % 8 == 0 and out_features % 8 == 0
-    return False
+
+def int8_matmul(q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``q [M, K] int8 @ weight [N, K]^T`` accumulated in int32 by ``torch._int_mm``, or None where
+    that kernel cannot run. On CUDA fewer than 17 rows are padded with zero rows (which add
+    nothing) and sliced off, so decode batches keep the int8 GEMM instead of widening the weight."""
+    m, k = q.shape
+    n = weight.shape[0]
+    if m == 0 or q.device.type not in ("cpu", "cuda"):
+        return None
+    if q.device.type == "cuda":
+        if k % 8 or n % 8:
+            return None
+        if m < CUDA_INT_MM_MIN_ROWS:
+            q = F.pad(q, (0, 0, 0, CUDA_INT_MM_MIN_ROWS - m))
+    return torch._int_mm(q, weight.t())[:m]  # [N, K] row-major as stored: its .t() is the fast layout
 
 
 class _QuantizedLinear(nn.Module):
@@ -139,7 +144,6 @@ class W8A8Linear(_QuantizedLinear):
         self.use_int_mm = use_int_mm
         _buffer(self, "weight", tensors["weight"])
         _buffer(self, "weight_scale", tensors["weight_scale"])
-        _buffer(self, "channel_scale", tensors["weight_scale"].reshape(-1).float())
 
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize_linear({"weight": self.weight, "weight_scale": self.weight_scale}, self.scheme)
@@ -149,11 +153,11 @@ class W8A8Linear(_QuantizedLinear):
             return F.linear(fake_quantize_int8_per_token(x), self.dequantized_weight().to(x.dtype), self.bias)
         lead = x.shape[:-1]
         q, x_scale = quantize_int8_per_token(x.reshape(-1, self.in_features))
-        if int_mm_runs(q, self.out_features):
-            acc = torch._int_mm(q, self.weight.t())  # [N, K] row-major as stored: its .t() is the fast layout
-        else:
+        acc = int8_matmul(q, self.weight)
+        if acc is None:
             acc = F.linear(q.float(), self.weight.float())
-        y = acc.float().mul_(x_scale).mul_(self.channel_scale).to(x.dtype)  # scaled in place
+        # In place; a bf16/fp16 scale widens to fp32 exactly, as .float() would.
+        y = acc.float().mul_(x_scale).mul_(self.weight_scale.reshape(-1)).to(x.dtype)
         if self.bias is not None:
             y.add_(self.bias)
         return y.reshape(*lead, self.out_features)

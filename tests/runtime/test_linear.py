@@ -145,12 +145,25 @@ def test_w8a8_int_mm_equals_fake_quant_reference(rows, cols, out):
     assert fast(x).shape == (2, rows, out)
     import runtime.layers.linear as linear_module
 
-    original = linear_module.int_mm_runs
-    linear_module.int_mm_runs = lambda *_: False
+    original = linear_module.int8_matmul
+    linear_module.int8_matmul = lambda *_: None
     try:
         assert _rel(fast(x), ref) <= 1e-5
     finally:
-        linear_module.int_mm_runs = original
+        linear_module.int8_matmul = original
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rows", [1, 16, 17, 40])
+def test_int8_matmul_on_cuda_pads_small_batches(rows):
+    from runtime.layers.linear import int8_matmul
+
+    q = torch.randint(-128, 128, (rows, 64), dtype=torch.int8, device="cuda")
+    w = torch.randint(-128, 128, (48, 64), dtype=torch.int8, device="cuda")
+    acc = int8_matmul(q, w)
+    assert acc is not None and acc.shape == (rows, 48) and acc.dtype == torch.int32
+    assert torch.equal(acc.cpu(), q.cpu().long() @ w.cpu().long().t())
+    assert int8_matmul(q[:, :60], w[:, :60]) is None  # K not a multiple of 8
 
 
 def test_mismatched_tensors_are_refused():
