@@ -96,7 +96,7 @@ class LazyDecoderStack:
             full = f"{prefix}.{key}"
             mod_name = full.removesuffix(".weight")
             if full.endswith(".weight") and mod_name in overrides:
-                state[key] = overrides[mod_name]
+                state[key] = overrides[mod_name].to(self.dtype)
             elif self.ckpt.has(full):
                 state[key] = self.ckpt.get(full).to(self.dtype)
             else:

@@ -4,7 +4,10 @@ Tensors are read one at a time from the source (``Checkpoint.get``) and written 
 produced (``ShardWriter``), so peak memory is about one Linear plus one output shard. Targeted
 Linears (attention and MLP projections, and an untied ``lm_head`` unless ignored) are quantized
 by a ``WeightQuantizer``; every other tensor (embeddings, norms, biases) is copied unchanged, in
-its source dtype, so the only difference from the source is the quantization itself.
+its source dtype, so the only difference from the source is the quantization itself. With
+``dtype`` (e.g. bf16 for an fp32 source) every floating-point tensor is cast as it is read, so
+the unquantized tensors and the scales are stored in that dtype, as if the source had been saved
+in it; the reported errors are then against the source's own values.
 """
 from __future__ import annotations
 
@@ -127,8 +130,12 @@ def quantize_checkpoint(
     progress: bool = True,
     kv_cache_scheme: dict | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    dtype: torch.dtype | None = None,
 ) -> QuantizeResult:
-    """Quantize ``source`` (an HF checkpoint directory) into ``out`` (written atomically)."""
+    """Quantize ``source`` (an HF checkpoint directory) into ``out`` (written atomically);
+    ``dtype`` casts every floating-point tensor first (default: keep the source's)."""
+    if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise KvslimError(f"output dtype {dtype}: expected bfloat16, float16 or float32")
     quantizer = quantizer or RTN()
     start = time.perf_counter()
     out = Path(out)
@@ -148,18 +155,21 @@ def quantize_checkpoint(
         for layer, names in bar:
             bar.set_postfix_str("other" if layer is None else f"layer {layer}")
             for name in names:
-                tensor = ckpt.get(name)
+                original = ckpt.get(name)
+                tensor = original.to(dtype) if dtype is not None and original.is_floating_point() else original
                 if name in targets:
-                    stats.append(_quantize_one(name, tensor, scheme, quantizer, writer))
+                    stats.append(_quantize_one(name, original, tensor, scheme, quantizer, writer))
                 else:
                     writer.add(name, tensor)
-                    nb = _nbytes(tensor)
-                    stats.append(TensorStat(name, tensor_kind(name), str(tensor.dtype).removeprefix("torch."),
-                                            tensor.numel(), nb, nb, False, 0.0, 0.0, 0.0))
+                    stats.append(_stat(name, original, _nbytes(tensor), False,
+                                       tensor if tensor.dtype != original.dtype else None))
         for name, tensor in quantizer.finish().items():
             writer.add(name, tensor)
         writer.close()
         config = dict(ckpt.config)
+        if dtype is not None:
+            for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]:
+                config[key] = str(dtype).removeprefix("torch.")
         config["quantization_config"] = quantization_config(scheme, ignore, kv_cache_scheme)
         write_config(tmp, config)
         ckpt.copy_side_files(tmp)
@@ -168,16 +178,28 @@ def quantize_checkpoint(
 
 
 def _quantize_one(
-    name: str, weight: torch.Tensor, scheme: QuantScheme, quantizer: WeightQuantizer, writer: ShardWriter
+    name: str, original: torch.Tensor, weight: torch.Tensor, scheme: QuantScheme, quantizer: WeightQuantizer,
+    writer: ShardWriter,
 ) -> TensorStat:
+    """Quantize ``weight`` (``original`` cast to the output dtype) and write its tensors."""
     module = _module_of(name)
     tensors = quantizer.quantize(module, weight, scheme)
     after = 0
     for key, t in tensors.items():
         writer.add(f"{module}.{key}", t)
         after += _nbytes(t)
-    diff = dequantize_linear(tensors, scheme).float() - weight.float()
-    abs_err = diff.abs()
-    rel = float(diff.norm() / weight.float().norm().clamp_min(1e-30))
-    return TensorStat(name, tensor_kind(name), str(weight.dtype).removeprefix("torch."), weight.numel(),
-                      _nbytes(weight), after, True, float(abs_err.mean()), float(abs_err.max()), rel)
+    return _stat(name, original, after, True, dequantize_linear(tensors, scheme))
+
+
+def _stat(name: str, original: torch.Tensor, bytes_after: int, quantized: bool,
+          stored: torch.Tensor | None) -> TensorStat:
+    """Bytes and the error of ``stored`` (what a loader reconstructs; None: stored as is)
+    against the source's ``original``."""
+    mean_err = max_err = rel = 0.0
+    if stored is not None:
+        diff = stored.float() - original.float()
+        abs_err = diff.abs()
+        mean_err, max_err = float(abs_err.mean()), float(abs_err.max())
+        rel = float(diff.norm() / original.float().norm().clamp_min(1e-30))
+    return TensorStat(name, tensor_kind(name), str(original.dtype).removeprefix("torch."), original.numel(),
+                      _nbytes(original), bytes_after, quantized, mean_err, max_err, rel)

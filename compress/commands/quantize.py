@@ -22,6 +22,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     sym.add_argument("--asymmetric", dest="symmetric", action="store_const", const=False)
     p.add_argument("--ignore", action="append", default=None, metavar="MODULE",
                    help="Linear module left unquantized: exact name or 're:REGEX' (repeatable; default: lm_head)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16"), default=None,
+                   help="cast the source's floating-point tensors first: unquantized tensors (embeddings, norms) "
+                        "and scales are stored in this dtype (default: the source's own)")
     p.add_argument("--method", choices=("rtn", "gptq"), default="rtn",
                    help="rtn: round-to-nearest (default); gptq: calibrated, layer by layer")
     p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=None,
@@ -46,6 +49,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from compress.model_source import resolve_model
     from compress.quantize import DEFAULT_IGNORE, quantize_checkpoint
     from compress.schemes import default_scheme
@@ -61,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
         scheme = with_act_order(scheme)
     result = quantize_checkpoint(source, args.output, scheme, ignore=ignore, quantizer=quantizer,
                                  force=args.force, progress=not args.no_progress,
-                                 kv_cache_scheme=kv_cache_scheme)
+                                 kv_cache_scheme=kv_cache_scheme,
+                                 dtype=None if args.dtype is None else getattr(torch, args.dtype))
     t = totals(result.stats)
     src_dtypes = sorted({s.source_dtype for s in result.stats if not s.quantized})
     print(f"scheme: {scheme.describe()}, {result.algorithm}; ignore: {', '.join(result.ignore)}")
@@ -70,8 +76,10 @@ def run(args: argparse.Namespace) -> int:
         f"total {t['bytes_before'] / 2**20:,.1f} MiB -> {t['bytes_after'] / 2**20:,.1f} MiB "
         f"({t['ratio_vs_bf16']:.2f}x smaller than bf16 overall; quantized Linears "
         f"{t['quantized_ratio_vs_bf16']:.2f}x). Ratios count every parameter at 2 bytes (bf16) "
-        f"whatever its stored dtype; unquantized tensors keep their source dtype ({', '.join(src_dtypes)}), "
-        "scales take the weight's dtype."
+        f"whatever its stored dtype; unquantized tensors "
+        + (f"cast to {args.dtype} (source: {', '.join(src_dtypes)}), " if args.dtype
+           else f"keep their source dtype ({', '.join(src_dtypes)}), ")
+        + "scales take the weight's dtype."
     )
     if calib_note:
         print(calib_note)

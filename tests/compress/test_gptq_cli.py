@@ -131,3 +131,15 @@ def test_gptq_w8a8_writes_int_quantized(tiny_with_tokenizer, tmp_path, capsys):
     ckpt = Checkpoint.open(out)
     assert ckpt.quantization_config["format"] == "int-quantized"
     assert ckpt.headers["model.layers.0.self_attn.q_proj.weight"][0] == "I8"
+
+
+def test_gptq_with_bf16_output_dtype(tiny_with_tokenizer, tmp_path, capsys):
+    """GPTQ calibrates through the fp32 source while quantizing its bf16 cast: scales and the
+    unquantized tensors come out bf16, and the summary says so."""
+    out = tmp_path / "b"
+    assert main(["quantize", str(tiny_with_tokenizer), "--int4", "--method", "gptq", "--dtype", "bfloat16",
+                 "--num-calib-samples", "2", "--calib-seq-len", "32", "-o", str(out), "--no-progress"]) == 0
+    assert "cast to bfloat16 (source: float32)" in capsys.readouterr().out
+    ckpt = Checkpoint.open(out)
+    assert ckpt.get("model.layers.0.mlp.down_proj.weight_scale").dtype == torch.bfloat16
+    assert ckpt.get("model.embed_tokens.weight").dtype == torch.bfloat16

@@ -125,3 +125,28 @@ def test_other_architectures_round_trip(arch, tiny_checkpoints, tmp_path):
     ids = sample_ids()
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=0, atol=LOGITS_ATOL)
+
+
+@pytest.mark.parametrize("key", ["fp8", "int4_sym"])
+def test_bf16_output_dtype_round_trips(key, tiny_llama, tmp_path):
+    """``dtype=bfloat16`` on an fp32 source: scales and unquantized tensors are stored in bf16 (the
+    bf16 cast of the source's), config says bfloat16, and transformers decompresses exactly our
+    weights; its logits equal a reference model holding those weights (same tolerance as above)."""
+    out = quantize_checkpoint(tiny_llama, tmp_path / key, SCHEMES[key], progress=False, dtype=torch.bfloat16).out
+    ckpt, src = Checkpoint.open(out), Checkpoint.open(tiny_llama)
+    assert ckpt.config["dtype"] == "bfloat16"
+    floats = [t for t in map(ckpt.get, ckpt.names()) if t.is_floating_point() and t.dtype != torch.float8_e4m3fn]
+    assert floats and all(t.dtype == torch.bfloat16 for t in floats)  # scales, embeddings, norms, lm_head
+    assert torch.equal(ckpt.get("model.embed_tokens.weight"), src.get("model.embed_tokens.weight").bfloat16())
+    ours = our_dequantized(out, SCHEMES[key])
+    model = load_decompressed(out)
+    for name, w in ours.items():
+        assert torch.equal(model.get_submodule(name).weight.data, w.float()), name
+    ref = reference_model(tiny_llama, {n: w.float() for n, w in ours.items()})
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.removesuffix(".weight") not in ours:
+                p.copy_(p.bfloat16().float())  # the source's unquantized tensors as stored: bf16
+    ids = sample_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=0, atol=LOGITS_ATOL)

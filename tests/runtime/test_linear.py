@@ -223,6 +223,24 @@ def test_quantized_checkpoint_matches_transformers_compressed_tensors(quantized,
     assert (got - ref).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("name", ["W8A16", "W4A16"])
+def test_bf16_stored_checkpoint_matches_transformers(tiny_checkpoints, tmp_path, name):
+    """A checkpoint quantized with ``dtype=bfloat16`` (bf16 scales, embeddings and norms from an
+    fp32 source), run at fp32: equal to transformers decompressing it with compressed-tensors'
+    own decompressor (``dequantize=True``: q * scale in the scale's dtype, bf16), the same
+    tolerance as the fp32-stored checkpoints. (transformers' default route multiplies by the scale
+    after widening it to fp32, so at fp32 it differs by one bf16 rounding of each weight.)"""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    path = quantize_checkpoint(tiny_checkpoints["llama"], tmp_path / name, PRESETS[name], progress=False,
+                               dtype=torch.bfloat16).out
+    hf = AutoModelForCausalLM.from_pretrained(path, quantization_config=CompressedTensorsConfig(dequantize=True),
+                                              dtype=torch.float32).eval()
+    ids = torch.randint(0, 512, (24,), generator=torch.Generator().manual_seed(4))
+    got = runtime_logits(load_model(path, "float32"), ids, (10,))
+    assert (got - hf_logits(hf, ids)).abs().max().item() <= 1e-4
+
+
 def test_asymmetric_int4_checkpoint_matches_dequantized_reference(quantized, tmp_path):
     # transformers 5.23 cannot load packed asymmetric zero points (size mismatch), so the oracle
     # is a dense copy holding dequantize_linear's weights, run by transformers.
