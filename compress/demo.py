@@ -1,6 +1,7 @@
 """`python -m compress.demo` (what `make demo` runs): the main job end to end on the default model.
 
-SmolLM2-135M-Instruct is quantized (FP8 weights + calibrated FP8 KV cache; INT4 by GPTQ),
+SmolLM2-135M-Instruct is quantized (FP8 weights + calibrated FP8 KV cache; INT4 by GPTQ; the
+unquantized tensors stored in bf16, since the default model's own dtype is the GGUF's fp32),
 rewritten (MQA + KV shared by pairs of layers) and briefly healed, then every checkpoint is
 evaluated on kvslim's own runtime (lm-eval through the ``kvslim`` backend, small fixed limits)
 and compared by ``compress report``: bytes, KV capacity, quality, decode speed. Outputs go to
@@ -35,9 +36,9 @@ def stages() -> list[tuple[str, list[str]]]:
     eval_args = ["--backend", "kvslim", "--tasks", TASKS, "--limit", str(LIMIT), "--ppl-tokens", str(PPL_TOKENS)]
     return [
         ("quantize: FP8 weights + calibrated FP8 KV cache",
-         ["quantize", MODEL, "--fp8", "--kv-cache-fp8", "--num-calib-samples", str(KV_CALIB_SAMPLES), "-o", fp8, "--force"]),
-        ("quantize: INT4 weights by GPTQ",
-         ["quantize", MODEL, "--int4", "--method", "gptq", "--num-calib-samples", str(GPTQ_CALIB_SAMPLES), "-o", int4, "--force"]),
+         ["quantize", MODEL, "--fp8", "--kv-cache-fp8", "--dtype", "bfloat16", "--num-calib-samples", str(KV_CALIB_SAMPLES), "-o", fp8, "--force"]),
+        ("quantize: INT4 weights by GPTQ (act-order, mse ranges: its defaults for INT4)",
+         ["quantize", MODEL, "--int4", "--dtype", "bfloat16", "--method", "gptq", "--num-calib-samples", str(GPTQ_CALIB_SAMPLES), "-o", int4, "--force"]),
         (f"convert: MQA + KV shared by pairs of layers, healed {HEAL_STEPS} steps",
          ["convert", MODEL, "--mqa", "--kv-share", "2", "--heal-steps", str(HEAL_STEPS), "--eval-tokens", "0",
           "-o", mqa, "--force"]),
