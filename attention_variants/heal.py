@@ -48,7 +48,7 @@ class HealSpec:
     device: str = "cpu"
     seq_len: int = 256
     batch_size: int = 4
-    lr: float = 5e-4
+    lr: float | None = None  # peak learning rate; None: default_lr(student, teacher)
     warmup_steps: int = 5
     hidden_weight: float = 0.0  # weight of hidden_state_loss added to the KL (0: logits only)
     lora_rank: int = 16
@@ -77,6 +77,7 @@ class HealResult:
     resumed_from: int
     data: str
     wall_seconds: float  # of this invocation (a resumed run's earlier part not included)
+    lr: float  # the peak learning rate used
 
 
 def _state_dir(out: Path) -> Path:
@@ -119,6 +120,22 @@ def rewritten_layers(student_config: dict, teacher_config: dict) -> list[int]:
     s, t = AttentionLayout.from_config(student_config), AttentionLayout.from_config(teacher_config)
     suppliers = {l.kv_source for i, l in enumerate(s.layers) if l.kv_source != i}
     return [i for i in range(s.num_layers) if s.layers[i] != t.layers[i] or i in suppliers]
+
+
+MERGED_KV_LR, SHARED_KV_LR = 2e-4, 5e-4
+
+
+def default_lr(student_config: dict, teacher_config: dict) -> float:
+    """Peak learning rate for a rewrite: 2e-4 when it merged KV heads (GQA/MQA, alone or with
+    other rewrites), 5e-4 otherwise (KV sharing, sliding windows).
+
+    Measured on the default model, 5 CPU-minutes each (BENCHMARKS.md, healing levers): MQA 36.3
+    at 2e-4 vs 46.9 at 5e-4, MQA + kv-share 2 100.2 vs 107.4, kv-share 2 76.2 vs 53.8. Calibrated
+    merges start near a good solution that a high rate unsettles; KV-sharing readers need to move.
+    """
+    s, t = AttentionLayout.from_config(student_config), AttentionLayout.from_config(teacher_config)
+    merged = any(a.num_kv_heads != b.num_kv_heads for a, b in zip(s.layers, t.layers))
+    return MERGED_KV_LR if merged else SHARED_KV_LR
 
 
 def trainable_names(model, student_config: dict, teacher_config: dict, mode: TrainMode) -> list[str]:
@@ -175,6 +192,8 @@ def heal(
         raise KvslimError(f"clock {spec.clock!r}: expected wall or cpu")
     if spec.clock == "cpu" and spec.device != "cpu":
         raise KvslimError(f"the CPU clock measures CPU work only; use the wall clock with --device {spec.device}")
+    if spec.lr is not None and spec.lr <= 0:
+        raise KvslimError(f"--lr {spec.lr}: must be positive")
     if spec.hidden_weight < 0:
         raise KvslimError(f"--hidden-weight {spec.hidden_weight}: must be >= 0")
     if spec.train not in TRAIN_MODES:
@@ -204,7 +223,8 @@ def heal(
     student = load_for_eval(student_ckpt.path).to(device)
     names = trainable_names(student, student_ckpt.config, teacher_ckpt.config, spec.train)
     model, params = _prepare(student, names, spec)
-    optimizer = torch.optim.AdamW([p for _, p in params], lr=spec.lr, weight_decay=0.0)
+    lr = spec.lr if spec.lr is not None else default_lr(student_ckpt.config, teacher_ckpt.config)
+    optimizer = torch.optim.AdamW([p for _, p in params], lr=lr, weight_decay=0.0)
 
     state_dir = _state_dir(out)
     start, seconds, first_loss, losses = _load_state(state_dir, spec, params, optimizer)
@@ -230,7 +250,7 @@ def heal(
             loss.backward()
             torch.nn.utils.clip_grad_norm_([p for _, p in params], 1.0)
             for group in optimizer.param_groups:
-                group["lr"] = spec.lr * _lr_factor(spec, step, seconds)
+                group["lr"] = lr * _lr_factor(spec, step, seconds)
             optimizer.step()
             wall += time.perf_counter() - t0
             seconds += time.perf_counter() - t0 if spec.clock == "wall" else _cpu_time() - c0
@@ -255,7 +275,7 @@ def heal(
     model.eval()
     _write_student(model, student_ckpt, spec, out, force)
     shutil.rmtree(state_dir, ignore_errors=True)
-    return HealResult(Path(out), completed, completed * chunk, seconds, first_loss, last_loss, start, data_name, wall)
+    return HealResult(Path(out), completed, completed * chunk, seconds, first_loss, last_loss, start, data_name, wall, lr)
 
 
 def _cpu_time() -> float:

@@ -43,7 +43,7 @@ def main() -> int:
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences of 256 tokens per step")
-    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default: HealSpec's)")
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default: heal's, per rewrite)")
     parser.add_argument("--hidden-weight", type=float, default=0.0, help="hidden-state matching weight (0: KL only)")
     parser.add_argument("--train", default="attn", choices=("attn", "all", "lora"))
     parser.add_argument("--tag", default="", help="appended to each curve's label (e.g. the budget, to keep two apart)")
@@ -108,13 +108,13 @@ def main() -> int:
 
             t = time.time()
             spec = HealSpec(minutes=args.minutes, clock=args.clock, device=args.device, batch_size=args.batch_size,
-                            lr=args.lr or HealSpec.lr, hidden_weight=args.hidden_weight, train=args.train)
+                            lr=args.lr, hidden_weight=args.hidden_weight, train=args.train)
             result = heal(converted, source, spec, healed_dir(args.keep, tmp, label), on_step=on_step, force=True)
             if points[-1]["tokens"] < result.tokens:  # the budget ran out between marks
                 points.append(dict(minutes=round(result.train_seconds / 60, 2), wall_minutes=round(result.wall_seconds / 60, 2),
                                    tokens=result.tokens, loss=round(result.last_loss, 4), **measure(load_for_eval(result.out))))
             curves[label] = dict(points=points, wall_s=round(time.time() - t, 1), minutes=args.minutes,
-                                 lr=spec.lr, hidden_weight=spec.hidden_weight, train=spec.train)
+                                 lr=result.lr, hidden_weight=spec.hidden_weight, train=spec.train)
             write(args, dict(
                 model=args.model, device=args.device, teacher_ppl=teacher["ppl"], teacher_task=teacher["task"],
                 clock=args.clock, task=f"{args.task}, first {plan.limits[args.task]} docs, 0-shot",

@@ -17,7 +17,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per step")
-    p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (warmup, then cosine)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (warmup, then cosine); default 2e-4 when the rewrite merged KV heads "
+                        "(GQA/MQA), else 5e-4")
     p.add_argument("--hidden-weight", type=float, default=0.0, metavar="W",
                    help="add W x hidden-state matching (every layer's output, relative error per token) to the KL")
     p.add_argument("--eval-tokens", type=int, default=2048,
@@ -44,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     teacher = resolve_model(args.teacher)
     result = heal(resolve_model(args.converted), teacher, spec_from_args(args), args.out, force=args.force)
     print(f"healed {args.converted} -> {result.out}: {result.steps} steps, {result.tokens} tokens of {result.data}, "
-          f"{result.train_seconds / 60:.1f} min on {args.device}"
+          f"{result.train_seconds / 60:.1f} min on {args.device}, peak lr {result.lr:g}"
           + (f" (resumed at step {result.resumed_from})" if result.resumed_from else ""))
     what = "KL, nats/token" + (f" + {args.hidden_weight:g} x hidden-state error" if args.hidden_weight else "")
     print(f"  distillation loss ({what}): {result.first_loss:.4f} -> {result.last_loss:.4f}")

@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from attention_variants.convert import ConvertSpec, convert
-from attention_variants.heal import HealSpec, distill_loss, heal, hidden_state_loss
+from attention_variants.heal import (MERGED_KV_LR, SHARED_KV_LR, HealSpec, default_lr, distill_loss, heal,
+                                     hidden_state_loss)
 from attention_variants.summary import load_for_eval
 from compress.cli import main
 from compress.errors import KvslimError
@@ -139,6 +140,17 @@ def test_hidden_state_loss_is_zero_for_identical_states_and_relative_per_token()
     assert float(hidden_state_loss((h[0] * 5,) + h[1:], h)) == 0.0  # index 0 (embeddings) is skipped
 
 
+def test_default_lr_follows_the_rewrite(tmp_path, default_model_dir):
+    """2e-4 where KV heads were merged (alone or with sharing), 5e-4 for KV sharing alone."""
+    teacher = make_tiny_checkpoint(tmp_path / "teacher", "llama", tokenizer_from=default_model_dir, vocab_size=49152)
+    config = lambda p: json.loads((p / "config.json").read_text())  # noqa: E731
+    for name, convert_spec, lr in (("mqa", ConvertSpec(kv_heads=1, merge="mean"), MERGED_KV_LR),
+                                   ("both", ConvertSpec(kv_heads=1, kv_share=2, merge="mean"), MERGED_KV_LR),
+                                   ("share", ConvertSpec(kv_share=2), SHARED_KV_LR)):
+        convert(teacher, convert_spec, tmp_path / name)
+        assert default_lr(config(tmp_path / name), config(teacher)) == lr, name
+
+
 def test_bad_input(pair, tiny_llama, heal_text, tmp_path, capsys):
     teacher, student = pair
     out = tmp_path / "out"
@@ -148,6 +160,7 @@ def test_bad_input(pair, tiny_llama, heal_text, tmp_path, capsys):
         ([str(student), "--teacher", str(teacher), "--steps", "100", "--data", str(heal_text)], "steps of"),
         ([str(student), "--teacher", str(teacher), "--steps", "1", "--data", "wikipedia:eval"], "evaluation text"),
         ([str(student), "--teacher", str(teacher), "--steps", "1", "--hidden-weight", "-1"], "--hidden-weight"),
+        ([str(student), "--teacher", str(teacher), "--steps", "1", "--lr", "0"], "--lr"),
     ]
     for flags, message in cases:
         assert main(["heal", *flags, "--eval-tokens", "0", "-o", str(out)]) == 2
