@@ -143,8 +143,11 @@ def gptq_quantize(
                 g = orig_col // group
                 if not static and orig_col % group == 0:
                     # First column of a group: its scale from the columns as updated so far.
-                    _set_qparams(torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, :group], [g], group,
-                                 weight.dtype, scheme, scale, zero, offset=0, mse=options.observer == "mse")
+                    cols_now = w1[:, i : i + group]  # the group's columns, as updated so far
+                    if cols_now.shape[1] < group:  # the group runs past this block
+                        cols_now = torch.cat([cols_now, w[:, i2 : i2 + group - cols_now.shape[1]]], dim=1)
+                    _set_qparams(cols_now, [g], group, weight.dtype, scheme, scale, zero, offset=0,
+                                 mse=options.observer == "mse")
                     grid = None
                 if grid is None or grid.group != g:
                     grid = _ColumnGrid(g, scale, zero, scheme)

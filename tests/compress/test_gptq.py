@@ -22,11 +22,12 @@ SCHEMES = [W4A16, W4A16_ASYM, W8A16, FP8_DYNAMIC, W8A16.with_options(group_size=
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name + str(s.group_size))
 @pytest.mark.parametrize("act_order", [False, True])
-def test_stored_tensors_decode_to_gptq_weights(scheme, act_order):
+@pytest.mark.parametrize("block_size", [128, 20])  # 20: groups straddle the lazy-update blocks
+def test_stored_tensors_decode_to_gptq_weights(scheme, act_order, block_size):
     torch.manual_seed(0)
     w = torch.randn(48, 128)
     x = torch.randn(512, 128) * torch.linspace(0.1, 3, 128)
-    r = gptq_quantize(w, hessian_from_inputs(x), scheme, GPTQOptions(act_order=act_order))
+    r = gptq_quantize(w, hessian_from_inputs(x), scheme, GPTQOptions(act_order=act_order, block_size=block_size))
     assert torch.equal(dequantize_linear(r.tensors, scheme), r.dequantized)
     assert "weight_g_idx" not in r.tensors  # actorder "weight": groups stay contiguous
 
