@@ -210,7 +210,7 @@ def _scale_dtype(weight: torch.Tensor) -> torch.dtype:
     return weight.dtype if weight.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else torch.float16
 
 
-# Rows of one group processed at once by the range search: bounds its temporaries (~16 MiB each).
+# Weights whose ranges are searched at once: bounds the search's temporaries (~16 MiB each).
 _QPARAM_CHUNK_ELEMENTS = 1 << 22
 
 
@@ -227,25 +227,24 @@ def _set_qparams(
 ) -> None:
     """Scale/zero point of ``groups`` of ``w``'s columns, computed in the weight dtype as RTN
     does: min-max, or with ``mse`` the shrunk range of least error. ``offset=0``: ``w`` already
-    starts at the (single) group's first column. All groups are done together, row-chunked."""
+    starts at the (single) group's first column. All groups at once, a chunk of rows at a time."""
     groups = list(groups)
-    rows = w.shape[0]
-    if offset == 0:
-        blocks = w[:, :group].unsqueeze(1)
-    else:
-        blocks = w[:, : (max(groups) + 1) * group].reshape(rows, -1, group)[:, groups]
-    flat = blocks.to(dtype).reshape(-1, group)  # [rows * len(groups), group]
-    scales, zeros = [], []
-    for part in flat.split(max(1, _QPARAM_CHUNK_ELEMENTS // group)):
-        lo, hi = part.amin(dim=1), part.amax(dim=1)
+    rows_per_chunk = max(1, _QPARAM_CHUNK_ELEMENTS // (group * len(groups)))
+    for r0 in range(0, w.shape[0], rows_per_chunk):
+        part = w[r0 : r0 + rows_per_chunk]
+        n = part.shape[0]
+        if offset == 0:
+            blocks = part[:, :group].unsqueeze(1)
+        else:
+            blocks = part[:, : (max(groups) + 1) * group].reshape(n, -1, group)[:, groups]
+        flat = blocks.to(dtype).reshape(-1, group)  # [n * len(groups), group]
+        lo, hi = flat.amin(dim=1), flat.amax(dim=1)
         if mse:
-            lo, hi = mse_range(part, lo, hi, scheme)
+            lo, hi = mse_range(flat, lo, hi, scheme)
         s, z = qparams_from_range(lo, hi, scheme)
-        scales.append(s)
-        zeros.append(z)
-    scale[:, groups] = torch.cat(scales).view(rows, len(groups))
-    if zero is not None:
-        zero[:, groups] = torch.cat(zeros).view(rows, len(groups))
+        scale[r0 : r0 + n, groups] = s.view(n, len(groups))
+        if zero is not None:
+            zero[r0 : r0 + n, groups] = z.view(n, len(groups))
 
 
 def mse_range(block: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:

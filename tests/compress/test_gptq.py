@@ -183,7 +183,7 @@ def test_group_ranges_done_together_equal_one_group_at_a_time(mse, monkeypatch):
     scale and zero point it gets alone."""
     from compress.algorithms import gptq
 
-    monkeypatch.setattr(gptq, "_QPARAM_CHUNK_ELEMENTS", 32 * 7)  # several chunks, one ragged
+    monkeypatch.setattr(gptq, "_QPARAM_CHUNK_ELEMENTS", 32 * 4 * 3)  # 3 rows per chunk: 7 chunks, one ragged
     scheme = W4A16_ASYM.with_options(group_size=32)
     w = torch.randn(20, 128, generator=torch.Generator().manual_seed(5))
     together = (torch.empty(20, 4), torch.empty(20, 4, dtype=torch.int8))
