@@ -14,7 +14,7 @@ Targets (fixed before measuring, from issue 3): FP8 and INT8 within +1% of the o
 INT4-GPTQ within +10%, and its gap to the original at most 0.8x RTN's gap. W8A8 (INT8 weights and
 activations, issue 8) takes INT8's +1%.
 
-Writes ``benchmarks/results/gptq_quality.json`` after every row. The machine is shared and
+Writes ``benchmarks/results/gptq_quality.json`` (or ``--out``) after every row. The machine is shared and
 noisy (2 cores, many jobs): the script uses one torch thread, which was faster than two under
 that load; timings are wall-clock.
 """
@@ -109,6 +109,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--only", default=None, help="comma-separated subset: original," + ",".join(VARIANTS))
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="JSON to write (with --only: merged into it)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -118,7 +119,7 @@ def main() -> None:
     ids = tokenize_range(AutoTokenizer.from_pretrained(src), TEXT, max_tokens=args.max_tokens)
     calib = CalibrationSpec(CALIB, args.samples, args.seq_len)
     wanted = args.only.split(",") if args.only else ["original", *VARIANTS]
-    rows: dict[str, dict] = json.loads(RESULTS.read_text())["rows"] if RESULTS.is_file() and args.only else {}
+    rows: dict[str, dict] = json.loads(args.out.read_text())["rows"] if args.out.is_file() and args.only else {}
     with tempfile.TemporaryDirectory(prefix="kvslim-gq-") as work:
         for key in wanted:
             print(f"== {key}", flush=True)
@@ -148,8 +149,8 @@ def report(rows: dict[str, dict], args) -> None:
         d = f"{delta:+.2f}%" if delta is not None else "-"
         qs = f"{r.get('quantize_seconds', 0):.1f}"
         print(f"{key:<20} {r['perplexity']:8.3f} {d:>8} {target:>8} {qs:>10} {r['eval_seconds']:7.1f}{ok}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
         "text": TEXT, "max_tokens": args.max_tokens, "context": DEFAULT_CONTEXT, "stride": DEFAULT_STRIDE,
         "calibration": f"{CALIB}, {args.samples} x {args.seq_len} tokens",
         "model": "SmolLM2-135M-Instruct (dequantized Q4_1 GGUF), fp32",
