@@ -15,7 +15,7 @@ import json
 import math
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Literal
 
@@ -129,9 +129,11 @@ def default_lr(student_config: dict, teacher_config: dict) -> float:
     """Peak learning rate for a rewrite: 2e-4 when it merged KV heads (GQA/MQA, alone or with
     other rewrites), 5e-4 otherwise (KV sharing, sliding windows).
 
-    Measured on the default model, 5 CPU-minutes each (BENCHMARKS.md, healing levers): MQA 36.3
-    at 2e-4 vs 46.9 at 5e-4, MQA + kv-share 2 100.2 vs 107.4, kv-share 2 76.2 vs 53.8. Calibrated
-    merges start near a good solution that a high rate unsettles; KV-sharing readers need to move.
+    Measured on the default model with calibrated MQA merges, 5 CPU-minutes each (BENCHMARKS.md,
+    healing levers): MQA 36.3 at 2e-4 vs 46.9 at 5e-4, MQA + kv-share 2 100.2 vs 107.4, kv-share 2
+    76.2 vs 53.8. A calibrated merge starts near a good solution that a high rate unsettles; a
+    KV-sharing reader has further to move. Other merges (mean, GQA with several heads) take the
+    same rate by extension, unmeasured.
     """
     s, t = AttentionLayout.from_config(student_config), AttentionLayout.from_config(teacher_config)
     merged = any(a.num_kv_heads != b.num_kv_heads for a, b in zip(s.layers, t.layers))
@@ -192,8 +194,8 @@ def heal(
         raise KvslimError(f"clock {spec.clock!r}: expected wall or cpu")
     if spec.clock == "cpu" and spec.device != "cpu":
         raise KvslimError(f"the CPU clock measures CPU work only; use the wall clock with --device {spec.device}")
-    if spec.lr is not None and spec.lr <= 0:
-        raise KvslimError(f"--lr {spec.lr}: must be positive")
+    if spec.lr is not None and not 0 < spec.lr < math.inf:
+        raise KvslimError(f"--lr {spec.lr}: must be a positive number")
     if spec.hidden_weight < 0:
         raise KvslimError(f"--hidden-weight {spec.hidden_weight}: must be >= 0")
     if spec.train not in TRAIN_MODES:
@@ -224,6 +226,7 @@ def heal(
     names = trainable_names(student, student_ckpt.config, teacher_ckpt.config, spec.train)
     model, params = _prepare(student, names, spec)
     lr = spec.lr if spec.lr is not None else default_lr(student_ckpt.config, teacher_ckpt.config)
+    spec = replace(spec, lr=lr)  # the resolved rate is what a saved state records and resumes with
     optimizer = torch.optim.AdamW([p for _, p in params], lr=lr, weight_decay=0.0)
 
     state_dir = _state_dir(out)

@@ -6,8 +6,9 @@ Linears (attention and MLP projections, and an untied ``lm_head`` unless ignored
 by a ``WeightQuantizer``; every other tensor (embeddings, norms, biases) is copied unchanged, in
 its source dtype, so the only difference from the source is the quantization itself. With
 ``dtype`` (e.g. bf16 for an fp32 source) every floating-point tensor is cast as it is read, so
-the unquantized tensors and the scales are stored in that dtype, as if the source had been saved
-in it; the reported errors are then against the source's own values.
+the unquantized tensors and the weight scales are stored in that dtype, as if the source had
+been saved in it; the quantization errors reported are against the source's own values.
+Calibrated KV-cache scales (``k_scale`` / ``v_scale``) stay in the calibration's fp32.
 """
 from __future__ import annotations
 
@@ -161,8 +162,7 @@ def quantize_checkpoint(
                     stats.append(_quantize_one(name, original, tensor, scheme, quantizer, writer))
                 else:
                     writer.add(name, tensor)
-                    stats.append(_stat(name, original, _nbytes(tensor), False,
-                                       tensor if tensor.dtype != original.dtype else None))
+                    stats.append(_stat(name, original, _nbytes(tensor), False, None))
         for name, tensor in quantizer.finish().items():
             writer.add(name, tensor)
         writer.close()
@@ -193,8 +193,9 @@ def _quantize_one(
 
 def _stat(name: str, original: torch.Tensor, bytes_after: int, quantized: bool,
           stored: torch.Tensor | None) -> TensorStat:
-    """Bytes and the error of ``stored`` (what a loader reconstructs; None: stored as is)
-    against the source's ``original``."""
+    """Bytes, and for a quantized tensor the error of ``stored`` (what a loader reconstructs)
+    against the source's ``original``; None (unquantized tensors, stored as is or cast): no error
+    statistics, which the reports show only for quantized tensors."""
     mean_err = max_err = rel = 0.0
     if stored is not None:
         diff = stored.float() - original.float()

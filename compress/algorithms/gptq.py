@@ -5,9 +5,11 @@ error onto the not-yet-quantized columns through the inverse Hessian of the laye
 Cholesky factor of ``(H + damp * I)^-1`` with ``damp = dampening * mean(diag(H))``, processed in
 blocks of ``block_size`` columns (lazy batch updates, section 3.4 of the GPTQ paper).
 
-Quantization grid: channel strategy (FP8, INT8 per-channel) uses min-max scales of the whole
-original weight. Group strategy without act-order computes each group's min-max scale from the
-already-updated weights when the group's first column is reached (as the reference GPTQ does);
+Quantization grid: each scale's range is the min-max of its weights, or with the ``mse``
+observer that range shrunk to the one of least error (``default_options``: mse for INT4).
+Channel strategy (FP8, INT8 per-channel) takes its scales from the whole original weight. Group
+strategy without act-order computes each group's scale from the already-updated weights when
+the group's first column is reached (as the reference GPTQ does);
 with act-order, columns are visited in decreasing ``diag(H)`` but groups stay contiguous in the
 original order and their scales are fixed up front from the original weight: compressed-tensors'
 ``actorder: "weight"``, which needs no ``weight_g_idx``. (compressed-tensors 0.20 removed
@@ -144,8 +146,10 @@ def gptq_quantize(
                 if not static and orig_col % group == 0:
                     # First column of a group: its scale from the columns as updated so far.
                     cols_now = w1[:, i : i + group]  # the group's columns, as updated so far
-                    if cols_now.shape[1] < group:  # the group runs past this block
-                        cols_now = torch.cat([cols_now, w[:, i2 : i2 + group - cols_now.shape[1]]], dim=1)
+                    short = group - cols_now.shape[1]
+                    if short > 0:  # the group runs past this block: add the block's pending update
+                        ahead = w[:, i2 : i2 + short] - err1 @ hinv[i1:i2, i2 : i2 + short]
+                        cols_now = torch.cat([cols_now, ahead], dim=1)
                     _set_qparams(cols_now, [g], group, weight.dtype, scheme, scale, zero, offset=0,
                                  mse=options.observer == "mse")
                     grid = None

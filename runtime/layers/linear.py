@@ -137,7 +137,7 @@ class Fp8Linear(_QuantizedLinear):
 
 
 class W8A8Linear(_QuantizedLinear):
-    """``int-quantized`` W8A8: int8 weight ``[out, in]`` kept as stored, fp32 per-channel scales."""
+    """``int-quantized`` W8A8: int8 weight ``[out, in]`` and per-channel scales, both kept as stored."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], scheme: QuantScheme, bias, dtype, use_int_mm: bool = True):
         super().__init__(scheme, tuple(tensors["weight"].shape), bias, dtype)

@@ -189,3 +189,9 @@ def test_convert_heal_steps_shortcut(pair, tmp_path, capsys):
     assert "healed 2 steps" in capsys.readouterr().out
     assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no unhealed copy or training state left behind
+
+
+def test_default_lr_is_resolved_and_reported(pair, spec, tmp_path):
+    teacher, student = pair  # MQA + kv-share 2: KV heads merged
+    result = heal(student, teacher, replace(spec, lr=None, steps=1), tmp_path / "o")
+    assert result.lr == MERGED_KV_LR

@@ -192,3 +192,17 @@ def test_group_ranges_done_together_equal_one_group_at_a_time(mse, monkeypatch):
     for g in range(4):
         gptq._set_qparams(w[:, g * 32:], [g], 32, w.dtype, scheme, *alone, offset=0, mse=mse)
     assert torch.equal(together[0], alone[0]) and torch.equal(together[1], alone[1])
+
+
+def test_group_scales_do_not_depend_on_the_block_size():
+    """Lazy batch updates are exact algebra, so a group's scale (taken from the columns as
+    updated when it starts) must not depend on the block size, also when a group straddles two
+    blocks and its later columns still await the block's pending update."""
+    torch.manual_seed(0)
+    w = torch.randn(48, 128)
+    h = hessian_from_inputs(torch.randn(512, 128) * torch.linspace(0.1, 3, 128))
+    scheme = W4A16_ASYM.with_options(group_size=32)
+    ref = gptq_quantize(w, h.clone(), scheme, GPTQOptions(block_size=128))
+    for block_size in (20, 48):
+        r = gptq_quantize(w, h.clone(), scheme, GPTQOptions(block_size=block_size))
+        torch.testing.assert_close(r.tensors["weight_scale"], ref.tensors["weight_scale"], rtol=1e-5, atol=0)
