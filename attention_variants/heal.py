@@ -225,9 +225,9 @@ def heal(
     student = load_for_eval(student_ckpt.path).to(device)
     names = trainable_names(student, student_ckpt.config, teacher_ckpt.config, spec.train)
     model, params = _prepare(student, names, spec)
-    lr = spec.lr if spec.lr is not None else default_lr(student_ckpt.config, teacher_ckpt.config)
-    spec = replace(spec, lr=lr)  # the resolved rate is what a saved state records and resumes with
-    optimizer = torch.optim.AdamW([p for _, p in params], lr=lr, weight_decay=0.0)
+    if spec.lr is None:  # resolved here, so a saved state records (and resumes with) the rate used
+        spec = replace(spec, lr=default_lr(student_ckpt.config, teacher_ckpt.config))
+    optimizer = torch.optim.AdamW([p for _, p in params], lr=spec.lr, weight_decay=0.0)
 
     state_dir = _state_dir(out)
     start, seconds, first_loss, losses = _load_state(state_dir, spec, params, optimizer)
@@ -253,7 +253,7 @@ def heal(
             loss.backward()
             torch.nn.utils.clip_grad_norm_([p for _, p in params], 1.0)
             for group in optimizer.param_groups:
-                group["lr"] = lr * _lr_factor(spec, step, seconds)
+                group["lr"] = spec.lr * _lr_factor(spec, step, seconds)
             optimizer.step()
             wall += time.perf_counter() - t0
             seconds += time.perf_counter() - t0 if spec.clock == "wall" else _cpu_time() - c0
@@ -278,7 +278,7 @@ def heal(
     model.eval()
     _write_student(model, student_ckpt, spec, out, force)
     shutil.rmtree(state_dir, ignore_errors=True)
-    return HealResult(Path(out), completed, completed * chunk, seconds, first_loss, last_loss, start, data_name, wall, lr)
+    return HealResult(Path(out), completed, completed * chunk, seconds, first_loss, last_loss, start, data_name, wall, spec.lr)
 
 
 def _cpu_time() -> float:

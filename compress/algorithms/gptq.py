@@ -118,7 +118,10 @@ def gptq_quantize(
     zero = None if scheme.symmetric else torch.empty(rows, n_groups, dtype=torch.int8)
     static = scheme.strategy == "channel" or options.act_order
     if static:
-        _set_qparams(w, range(n_groups), group, weight.dtype, scheme, scale, zero, mse=options.observer == "mse")
+        s, z = _group_qparams(w, group, weight.dtype, scheme, options.observer == "mse")
+        scale.copy_(s)
+        if zero is not None:
+            zero.copy_(z)
 
     perm = None
     if options.act_order:
@@ -150,8 +153,10 @@ def gptq_quantize(
                     if short > 0:  # the group runs past this block: add the block's pending update
                         ahead = w[:, i2 : i2 + short] - err1 @ hinv[i1:i2, i2 : i2 + short]
                         cols_now = torch.cat([cols_now, ahead], dim=1)
-                    _set_qparams(cols_now, [g], group, weight.dtype, scheme, scale, zero, offset=0,
-                                 mse=options.observer == "mse")
+                    s, z = _group_qparams(cols_now, group, weight.dtype, scheme, options.observer == "mse")
+                    scale[:, g] = s[:, 0]
+                    if zero is not None:
+                        zero[:, g] = z[:, 0]
                     grid = None
                 if grid is None or grid.group != g:
                     grid = _ColumnGrid(g, scale, zero, scheme)
@@ -218,37 +223,23 @@ def _scale_dtype(weight: torch.Tensor) -> torch.dtype:
 _QPARAM_CHUNK_ELEMENTS = 1 << 22
 
 
-def _set_qparams(
-    w: torch.Tensor,
-    groups,
-    group: int,
-    dtype: torch.dtype,
-    scheme: QuantScheme,
-    scale: torch.Tensor,
-    zero: torch.Tensor | None,
-    offset: int | None = None,
-    mse: bool = False,
-) -> None:
-    """Scale/zero point of ``groups`` of ``w``'s columns, computed in the weight dtype as RTN
-    does: min-max, or with ``mse`` the shrunk range of least error. ``offset=0``: ``w`` already
-    starts at the (single) group's first column. All groups at once, a chunk of rows at a time."""
-    groups = list(groups)
-    rows_per_chunk = max(1, _QPARAM_CHUNK_ELEMENTS // (group * len(groups)))
-    for r0 in range(0, w.shape[0], rows_per_chunk):
-        part = w[r0 : r0 + rows_per_chunk]
-        n = part.shape[0]
-        if offset == 0:
-            blocks = part[:, :group].unsqueeze(1)
-        else:
-            blocks = part[:, : (max(groups) + 1) * group].reshape(n, -1, group)[:, groups]
-        flat = blocks.to(dtype).reshape(-1, group)  # [n * len(groups), group]
+def _group_qparams(
+    cols: torch.Tensor, group: int, dtype: torch.dtype, scheme: QuantScheme, mse: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale and zero point ``[rows, k]`` of each ``group``-column group of ``cols [rows, k * group]``,
+    computed in ``dtype`` as RTN does: min-max, or with ``mse`` the shrunk range of least error.
+    All groups at once, a chunk of rows at a time."""
+    k = cols.shape[1] // group
+    scales, zeros = [], []
+    for part in cols.split(max(1, _QPARAM_CHUNK_ELEMENTS // cols.shape[1])):
+        flat = part.to(dtype).reshape(-1, group)  # [n * k, group]
         lo, hi = flat.amin(dim=1), flat.amax(dim=1)
         if mse:
             lo, hi = mse_range(flat, lo, hi, scheme)
         s, z = qparams_from_range(lo, hi, scheme)
-        scale[r0 : r0 + n, groups] = s.view(n, len(groups))
-        if zero is not None:
-            zero[r0 : r0 + n, groups] = z.view(n, len(groups))
+        scales.append(s.view(-1, k))
+        zeros.append(None if z is None else z.view(-1, k))
+    return torch.cat(scales), None if zeros[0] is None else torch.cat(zeros)
 
 
 def mse_range(block: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:

@@ -179,19 +179,18 @@ def test_default_options_follow_the_measured_levers():
 
 @pytest.mark.parametrize("mse", [False, True])
 def test_group_ranges_done_together_equal_one_group_at_a_time(mse, monkeypatch):
-    """``_set_qparams`` over all groups at once (in row chunks) gives each group exactly the
+    """``_group_qparams`` over all groups at once (in row chunks) gives each group exactly the
     scale and zero point it gets alone."""
     from compress.algorithms import gptq
 
-    monkeypatch.setattr(gptq, "_QPARAM_CHUNK_ELEMENTS", 32 * 4 * 3)  # 3 rows per chunk: 7 chunks, one ragged
+    monkeypatch.setattr(gptq, "_QPARAM_CHUNK_ELEMENTS", 128 * 3)  # 3 rows per chunk: 7 chunks, one ragged
     scheme = W4A16_ASYM.with_options(group_size=32)
     w = torch.randn(20, 128, generator=torch.Generator().manual_seed(5))
-    together = (torch.empty(20, 4), torch.empty(20, 4, dtype=torch.int8))
-    alone = (torch.empty(20, 4), torch.empty(20, 4, dtype=torch.int8))
-    gptq._set_qparams(w, range(4), 32, w.dtype, scheme, *together, mse=mse)
+    scale, zero = gptq._group_qparams(w, 32, w.dtype, scheme, mse)
+    assert scale.shape == zero.shape == (20, 4)
     for g in range(4):
-        gptq._set_qparams(w[:, g * 32:], [g], 32, w.dtype, scheme, *alone, offset=0, mse=mse)
-    assert torch.equal(together[0], alone[0]) and torch.equal(together[1], alone[1])
+        s, z = gptq._group_qparams(w[:, g * 32:(g + 1) * 32], 32, w.dtype, scheme, mse)
+        assert torch.equal(scale[:, g:g + 1], s) and torch.equal(zero[:, g:g + 1], z)
 
 
 def test_group_scales_do_not_depend_on_the_block_size():
