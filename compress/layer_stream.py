@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
@@ -238,6 +239,38 @@ class HessianCollector:
         return self._sums
 
 
+class _InputQuantizer:
+    """Forward pre-hooks fake-quantizing every Linear's input of a layer, as served (FP8_DYNAMIC,
+    W8A8). Linears reading the same tensor get the same quantized tensor, so they still share
+    one Hessian."""
+
+    def __init__(self, layer: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.fn = fn
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._handles = [m.register_forward_pre_hook(self._hook) for m in layer.modules() if isinstance(m, nn.Linear)]
+
+    def _hook(self, module, args):
+        x = args[0]
+        if self._last is None or self._last[0] is not x:
+            self._last = (x, self.fn(x))
+        return (self._last[1], *args[1:])
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._last = None
+
+
+@contextmanager
+def _inputs_quantized(layer: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor] | None):
+    quantizer = _InputQuantizer(layer, fn) if fn is not None else None
+    try:
+        yield
+    finally:
+        if quantizer is not None:
+            quantizer.remove()
+
+
 class LayerStream:
     """Calibration activations pushed through the model one decoder layer at a time.
 
@@ -245,10 +278,17 @@ class LayerStream:
     ``advance(i, overrides)`` runs layer ``i`` with (quantized) weights and keeps its outputs as
     the next layer's inputs (GPTQ's sequential scheme: each layer calibrates on the outputs of the
     already-quantized layers before it).
+
+    ``activations``: the quantize-dequantize a runtime applies to every Linear's input (FP8_DYNAMIC,
+    W8A8), applied here too, so each layer calibrates on the inputs it will be served.
     """
 
-    def __init__(self, stack: DecoderStack, calib_ids: torch.Tensor, batch_tokens: int = 2048) -> None:
+    def __init__(
+        self, stack: DecoderStack, calib_ids: torch.Tensor, batch_tokens: int = 2048,
+        activations: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.stack = stack
+        self.activations = activations
         self.next_layer = 0
         n, seq = calib_ids.shape
         per_batch = max(1, batch_tokens // seq)
@@ -276,7 +316,8 @@ class LayerStream:
         args, kwargs = batch.layer_args[i]
         if cache is not None:
             kwargs = dict(kwargs, past_key_values=cache)
-        out = layer(batch.hidden, *args, **kwargs)
+        with _inputs_quantized(layer, self.activations):
+            out = layer(batch.hidden, *args, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
     @torch.no_grad()
@@ -421,10 +462,15 @@ class SequentialQuantizer:
 
 
 def calibrated_quantizer(
-    source: str | Path, method: str, calib, options=None, kv_cache_fp8: bool = False, batch_tokens: int = 2048
+    source: str | Path, method: str, calib, options=None, kv_cache_fp8: bool = False, batch_tokens: int = 2048,
+    activations=None,
 ) -> SequentialQuantizer:
     """A ``SequentialQuantizer`` over ``source`` (a checkpoint dir) calibrated on ``calib``
-    (a ``CalibrationSpec``); raises ``KvslimError`` on bad calibration input before any work."""
+    (a ``CalibrationSpec``); raises ``KvslimError`` on bad calibration input before any work.
+
+    ``activations``: the scheme's ``ActivationQuant`` (FP8_DYNAMIC, W8A8), applied to every
+    Linear's input during calibration as the runtime applies it when serving."""
+    from compress.activation_quant import activation_fake_quantizer
     from compress.calibration import calibration_ids
     from compress.kv_scales import KVScaleObserver
 
@@ -434,5 +480,6 @@ def calibrated_quantizer(
     vocab = int(ckpt.config.get("vocab_size") or 0)
     if vocab and int(ids.max()) >= vocab:
         raise KvslimError(f"{ckpt.path}: its tokenizer produced id {int(ids.max())} >= vocab_size {vocab}")
-    stream = LayerStream(LazyDecoderStack(ckpt), ids, batch_tokens=batch_tokens)
+    stream = LayerStream(LazyDecoderStack(ckpt), ids, batch_tokens=batch_tokens,
+                         activations=activation_fake_quantizer(activations))
     return SequentialQuantizer(stream, method, options, KVScaleObserver() if kv_cache_fp8 else None)

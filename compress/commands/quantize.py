@@ -1,4 +1,4 @@
-"""`compress quantize MODEL (--fp8 | --w8a8 | --int8 | --int4) -o OUT`: RTN or GPTQ weight quantization."""
+"""`compress quantize MODEL (--fp8 | --fp8-weight-only | --w8a8 | --int8 | --int4) -o OUT`: RTN or GPTQ weight quantization."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +9,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     kind = p.add_mutually_exclusive_group(required=True)
     kind.add_argument("--fp8", dest="kind", action="store_const", const="fp8",
                       help="FP8 E4M3 per-channel weights + dynamic per-token FP8 activations (FP8_DYNAMIC)")
+    kind.add_argument("--fp8-weight-only", dest="kind", action="store_const", const="fp8-weight-only",
+                      help="FP8 E4M3 per-channel weights, activations unquantized (FP8 W8A16: vLLM's FP8 Marlin)")
     kind.add_argument("--w8a8", dest="kind", action="store_const", const="w8a8",
                       help="INT8 per-channel weights + dynamic per-token INT8 activations (W8A8, int-quantized)")
     kind.add_argument("--int8", dest="kind", action="store_const", const="int8",
@@ -125,11 +127,15 @@ def _calibrated(args: argparse.Namespace, scheme, source):
         DEFAULT_SEQ_LEN if args.calib_seq_len is None else args.calib_seq_len,
     )
     check_output_dir(Path(args.output).expanduser().resolve(), args.force)
-    quantizer = calibrated_quantizer(source, args.method, spec, options, kv_cache_fp8=args.kv_cache_fp8)
+    # The scheme's activation quantization (FP8_DYNAMIC, W8A8) is applied while calibrating, as served.
+    quantizer = calibrated_quantizer(source, args.method, spec, options, kv_cache_fp8=args.kv_cache_fp8,
+                                     activations=scheme.input_activations)
     what = ["GPTQ" if args.method == "gptq" else "", "FP8 KV-cache scales" if args.kv_cache_fp8 else ""]
     note = f"calibration ({' + '.join(w for w in what if w)}): {spec.describe()}"
     if args.method == "gptq":
         note += (f", dampening {options.dampening}" + (", act-order" if options.act_order else "")
                  + f", {options.observer} observer")
+    if scheme.input_activations is not None:
+        note += f"; inputs as served ({scheme.input_activations.describe()})"
     act_order = args.method == "gptq" and options.act_order
     return quantizer, KV_CACHE_SCHEME if args.kv_cache_fp8 else None, note, act_order

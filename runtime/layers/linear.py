@@ -24,15 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from compress.activation_quant import fake_quantize_fp8_per_token, fake_quantize_int8_per_token, quantize_int8_per_token
 from compress.errors import CheckpointError
 from compress.primitives import FP8_DTYPE, decode_linear, dequantize_linear
 from compress.schemes import QuantScheme
 
-FP8_MAX = 448.0
-INT8_MIN, INT8_MAX = -128.0, 127.0
-# compressed-tensors' symmetric scale divides the absolute maximum by half the integer range:
-# (127 - (-128)) / 2 = 127.5, so the largest value lands on 127.5 and clamps to 127.
-INT8_HALF_RANGE = 127.5
 INT4_KERNEL_GROUPS = (32, 64, 128, 256)
 
 
@@ -49,37 +45,6 @@ class DenseLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
-
-
-def fake_quantize_fp8_per_token(x: torch.Tensor) -> torch.Tensor:
-    """Dynamic symmetric per-token FP8 quantize-dequantize (scale = amax / 448), in x's dtype.
-
-    Matches compressed-tensors' dynamic ``token`` strategy for ``float`` 8-bit activations.
-    """
-    xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX
-    scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale).to(x.dtype).float()
-    q = torch.clamp(xf / scale, -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return (q.float() * scale).to(x.dtype)
-
-
-def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic symmetric per-token INT8: ``(q int8 [..., K], scale [..., 1] in x's dtype)``.
-
-    compressed-tensors' ``token`` strategy for ``int`` 8-bit activations, in x's dtype:
-    ``scale = amax / 127.5`` (the dtype's eps where 0), ``q = round(clamp(x / scale, -128, 127))``
-    with round half to even.
-    """
-    scale = x.abs().amax(dim=-1, keepdim=True).div_(INT8_HALF_RANGE)
-    scale.masked_fill_(scale == 0, torch.finfo(x.dtype).eps)
-    q = torch.div(x, scale).clamp_(INT8_MIN, INT8_MAX).round_()  # in place: 40% faster at decode sizes
-    return q.to(torch.int8), scale
-
-
-def fake_quantize_int8_per_token(x: torch.Tensor) -> torch.Tensor:
-    """Quantize-dequantize of ``quantize_int8_per_token`` (``q * scale``), in x's dtype."""
-    q, scale = quantize_int8_per_token(x)
-    return q.to(x.dtype) * scale
 
 
 # torch._int_mm on CUDA needs more than 16 rows and K, N multiples of 8; CPU takes every shape.

@@ -108,6 +108,22 @@ def test_fp8_gptq_defaults_to_plain_order_and_minmax(tiny_with_tokenizer, tmp_pa
                  "--calib-seq-len", "32", "-o", str(tmp_path / "f"), "--no-progress"]) == 0
     stdout = capsys.readouterr().out
     assert "act-order" not in stdout and "minmax observer" in stdout
+    assert "inputs as served (dynamic per-token FP8 activations)" in stdout
+
+
+@pytest.mark.parametrize("kind,acts", [("--fp8", "float"), ("--w8a8", "int"), ("--int4", None)])
+def test_calibration_applies_the_served_activation_quantization(kind, acts, tiny_with_tokenizer, tmp_path, monkeypatch):
+    """FP8_DYNAMIC and W8A8 calibrate on the quantized inputs they are served; weight-only schemes
+    on plain inputs."""
+    import compress.layer_stream as layer_stream
+
+    seen = []
+    real = layer_stream.calibrated_quantizer
+    monkeypatch.setattr(layer_stream, "calibrated_quantizer",
+                        lambda *a, **kw: seen.append(kw.get("activations")) or real(*a, **kw))
+    assert main(["quantize", str(tiny_with_tokenizer), kind, "--method", "gptq", "--num-calib-samples", "2",
+                 "--calib-seq-len", "32", "-o", str(tmp_path / "a"), "--no-progress"]) == 0
+    assert (seen[0].type if seen[0] is not None else None) == acts
 
 
 @pytest.mark.parametrize("flags,needle", [

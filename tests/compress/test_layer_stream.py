@@ -45,19 +45,20 @@ def test_layer_of_module():
     assert layer_of_module("lm_head") is None
 
 
-def in_memory_quantize(path: Path, ids: torch.Tensor, out: Path, method: str) -> None:
+def in_memory_quantize(path: Path, ids: torch.Tensor, out: Path, method: str, scheme=W4A16_ASYM,
+                       options: GPTQOptions = GPTQOptions(), activations=None) -> None:
     """The reference path: the whole model in memory (transformers), quantized in place layer by
     layer with the same algorithm, all tensors saved in one go."""
     ckpt = Checkpoint.open(path)
     model = load_hf(path)
-    quantizer = SequentialQuantizer(LayerStream(ResidentDecoderStack(model), ids), method,
-                                    GPTQOptions(), KVScaleObserver())
-    targets = plan_linears(ckpt, W4A16_ASYM, DEFAULT_IGNORE)
+    stream = LayerStream(ResidentDecoderStack(model), ids, activations=activations)
+    quantizer = SequentialQuantizer(stream, method, options, KVScaleObserver())
+    targets = plan_linears(ckpt, scheme, DEFAULT_IGNORE)
     state = {n: t.detach().clone() for n, t in model.state_dict().items() if ckpt.has(n)}
     tensors: dict[str, torch.Tensor] = {}
     for name in sorted(targets, key=lambda n: layer_of_module(n) if layer_of_module(n) is not None else 1 << 30):
         module = name.removesuffix(".weight")
-        for key, t in quantizer.quantize(module, state.pop(name), W4A16_ASYM).items():
+        for key, t in quantizer.quantize(module, state.pop(name), scheme).items():
             tensors[f"{module}.{key}"] = t
     tensors.update(state)
     tensors.update(quantizer.finish())
