@@ -8,6 +8,7 @@ and W8A8, which activation quantization a runtime must apply). ``to_config_group
 name               bits    type   strategy  group   symmetric  on-disk format
 =================  ======  =====  ========  ======  =========  =============================
 ``FP8_DYNAMIC``    8       float  channel   -       yes        ``float-quantized``
+``FP8_W8A16``      8       float  channel   -       yes        ``float-quantized`` (weight-only)
 ``W8A8``           8       int    channel   -       yes        ``int-quantized`` (int8)
 ``W8A16``          8       int    channel   -       yes        ``pack-quantized`` (4 / int32)
 ``W4A16``          4       int    group     64      yes        ``pack-quantized`` (8 / int32)
@@ -208,14 +209,20 @@ W8A8 = QuantScheme("W8A8", 8, "int", "channel", None, True, INT8_TOKEN_DYNAMIC)
 W8A16 = QuantScheme("W8A16", 8, "int", "channel", None, True)
 W4A16 = QuantScheme("W4A16", 4, "int", "group", PRESET_INT4_GROUP_SIZE, True)
 W4A16_ASYM = QuantScheme("W4A16_ASYM", 4, "int", "group", PRESET_INT4_GROUP_SIZE, False)
+# FP8 weights, activations left in bf16/fp16: vLLM serves it with its FP8 Marlin kernel
+# (CompressedTensorsW8A16Fp8, SM80+). Not a compressed-tensors preset name.
+FP8_W8A16 = QuantScheme("FP8_W8A16", 8, "float", "channel", None, True)
 
 PRESETS: dict[str, QuantScheme] = {s.name: s for s in (FP8_DYNAMIC, W8A8, W8A16, W4A16, W4A16_ASYM)}
 
 
-def default_scheme(kind: Literal["fp8", "w8a8", "int8", "int4"]) -> QuantScheme:
-    """The scheme ``compress quantize --fp8/--w8a8/--int8/--int4`` uses without further options."""
+def default_scheme(kind: Literal["fp8", "fp8-weight-only", "w8a8", "int8", "int4"]) -> QuantScheme:
+    """The scheme ``compress quantize --fp8/--fp8-weight-only/--w8a8/--int8/--int4`` uses without
+    further options."""
     if kind == "fp8":
         return FP8_DYNAMIC
+    if kind == "fp8-weight-only":
+        return FP8_W8A16
     if kind == "w8a8":
         return W8A8
     if kind == "int8":
@@ -237,7 +244,7 @@ def scheme_from_config_group(group: dict) -> QuantScheme:
     num_bits, qtype, sym = int(w["num_bits"]), w["type"], bool(w.get("symmetric", True))
     group_size = int(w["group_size"]) if strategy == "group" else None
     if qtype == "float":
-        name = "FP8_DYNAMIC" if act else "FP8"
+        name = "FP8_DYNAMIC" if act else "FP8_W8A16"
     elif act is not None:
         name = f"W{num_bits}A{act.num_bits}"
     else:

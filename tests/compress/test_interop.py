@@ -17,10 +17,11 @@ import torch
 from compress.checkpoint import Checkpoint
 from compress.primitives import dequantize_linear
 from compress.quantize import quantize_checkpoint
-from compress.schemes import FP8_DYNAMIC, W4A16, W4A16_ASYM, W8A8, W8A16
+from compress.schemes import FP8_DYNAMIC, FP8_W8A16, W4A16, W4A16_ASYM, W8A8, W8A16
 
 SCHEMES = {
     "fp8": FP8_DYNAMIC,
+    "fp8_weight_only": FP8_W8A16,
     "w8a8": W8A8,
     "int8": W8A16,
     "int8_g32_asym": W8A16.with_options(group_size=32, symmetric=False),
@@ -90,7 +91,7 @@ def test_transformers_decompresses_exactly_our_weights(key, quantized, tiny_llam
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=0, atol=LOGITS_ATOL)
 
 
-@pytest.mark.parametrize("key", ["fp8", "w8a8", "int8", "int4_sym"])
+@pytest.mark.parametrize("key", ["fp8", "fp8_weight_only", "w8a8", "int8", "int4_sym"])
 def test_default_transformers_load_runs_and_decompresses_on_first_forward(key, quantized):
     """The default route (no dequantize flag): compressed modules, decompressed on first forward."""
     from transformers import AutoModelForCausalLM

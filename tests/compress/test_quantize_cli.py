@@ -11,7 +11,7 @@ import torch
 from compress.checkpoint import Checkpoint
 from compress.cli import main
 from compress.quantize import quantization_config
-from compress.schemes import FP8_DYNAMIC, W4A16_ASYM, W8A8, W8A16
+from compress.schemes import FP8_DYNAMIC, FP8_W8A16, W4A16_ASYM, W8A8, W8A16
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -78,7 +78,19 @@ def test_quantize_w8a8_format_and_inspect(tiny_llama, tmp_path, capsys):
     assert "INT8 scaled_mm" in stdout
 
 
-@pytest.mark.parametrize("scheme", [FP8_DYNAMIC, W8A8, W8A16, W4A16_ASYM], ids=lambda s: s.name)
+def test_quantize_fp8_weight_only(tiny_llama, tmp_path, capsys):
+    rc, stdout, _ = run_cli(capsys, "quantize", str(tiny_llama), "--fp8-weight-only", "-o", str(tmp_path / "f"),
+                            "--no-progress")
+    assert rc == 0 and "FP8_W8A16" in stdout and "weight-only" in stdout
+    ckpt = Checkpoint.open(tmp_path / "f")
+    group = ckpt.quantization_config["config_groups"]["group_0"]
+    assert group["input_activations"] is None and group["weights"]["type"] == "float"
+    assert ckpt.headers["model.layers.0.mlp.down_proj.weight"] == ("F8_E4M3", (128, 256))
+    rc, stdout, _ = run_cli(capsys, "inspect", str(tmp_path / "f"))
+    assert rc == 0 and "Marlin" in stdout
+
+
+@pytest.mark.parametrize("scheme", [FP8_DYNAMIC, FP8_W8A16, W8A8, W8A16, W4A16_ASYM], ids=lambda s: s.name)
 def test_quantization_config_is_what_compressed_tensors_writes(scheme, tmp_path):
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig

@@ -4,7 +4,9 @@ from __future__ import annotations
 import pytest
 
 from compress.errors import KvslimError
-from compress.schemes import FP8_DYNAMIC, PRESETS, W4A16, W8A8, W8A16, default_scheme, scheme_from_config_group
+from compress.schemes import (
+    FP8_DYNAMIC, FP8_W8A16, PRESETS, W4A16, W8A8, W8A16, default_scheme, scheme_from_config_group,
+)
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -26,6 +28,17 @@ def test_config_group_is_compressed_tensors_model_dump(name):
         for key in ("num_bits", "type", "symmetric", "dynamic"):
             assert o[key] == p[key], (part, key)
     assert scheme_from_config_group(ours) == scheme
+
+
+def test_fp8_weight_only_is_a_valid_compressed_tensors_group():
+    """Not a preset: FP8_DYNAMIC's weights with no input_activations (vLLM's W8A16Fp8)."""
+    from compressed_tensors.quantization import QuantizationScheme, preset_name_to_scheme
+
+    ours = FP8_W8A16.to_config_group()
+    assert ours == QuantizationScheme.model_validate(ours).model_dump()
+    assert ours["input_activations"] is None and ours["format"] == "float-quantized"
+    assert ours["weights"] == preset_name_to_scheme("FP8_DYNAMIC", ["Linear"]).model_dump()["weights"]
+    assert scheme_from_config_group(ours) == FP8_W8A16 == default_scheme("fp8-weight-only")
 
 
 def test_with_options():

@@ -18,7 +18,7 @@ from compress.checkpoint import Checkpoint
 from compress.primitives import compute_qparams, dequantize_linear, encode_linear, quantize
 from compress.quantize import quantize_checkpoint
 from compress.errors import CheckpointError
-from compress.schemes import FP8_DYNAMIC, PRESETS, W4A16, W4A16_ASYM, W8A8, W8A16
+from compress.schemes import FP8_DYNAMIC, FP8_W8A16, PRESETS, W4A16, W4A16_ASYM, W8A8, W8A16
 from runtime.layers.linear import (
     Fp8Linear, Int4PackLinear, Int8PackLinear, PackedIntLinear, W8A8Linear, fake_quantize_fp8_per_token,
     fake_quantize_int8_per_token, make_linear, quantize_int8_per_token,
@@ -30,6 +30,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 SCHEMES = {
     **PRESETS,
+    "FP8_W8A16": FP8_W8A16,
     "W8A16_G32_ASYM": replace(W8A16, name="W8A16_ASYM", strategy="group", group_size=32, symmetric=False),
     "W4A16_CHANNEL": replace(W4A16, strategy="channel", group_size=None),
     "W4A16_G128": replace(W4A16, group_size=128),
@@ -185,7 +186,7 @@ def quantized(tiny_checkpoints, tmp_path_factory):
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     out = {name: quantize_checkpoint(tiny_checkpoints["llama"], root / name, s, progress=False).out
-           for name, s in PRESETS.items()}
+           for name, s in {**PRESETS, "FP8_W8A16": FP8_W8A16}.items()}
     torch.set_num_threads(before)
     return out
 
@@ -213,7 +214,7 @@ def _dense_copy(path, out):
     return out
 
 
-@pytest.mark.parametrize("name", ["FP8_DYNAMIC", "W8A16", "W4A16"])
+@pytest.mark.parametrize("name", ["FP8_DYNAMIC", "FP8_W8A16", "W8A16", "W4A16"])
 def test_quantized_checkpoint_matches_transformers_compressed_tensors(quantized, name):
     """transformers + compressed-tensors decompress the checkpoint (and, for FP8_DYNAMIC and W8A8,
     fake-quantize activations per token): the fp32 runtime (W8A8: through torch._int_mm) equals it."""
@@ -276,7 +277,7 @@ def test_bf16_dynamic_activations_no_worse_than_transformers_bf16(quantized, nam
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("name", sorted([*PRESETS, "FP8_W8A16"]))
 def test_weights_stay_compressed_in_memory(quantized, name, dtype):
     """Resident bytes (live tensors) within 10% of the packed checkpoint's bytes, with the
     unquantized tensors (embeddings, norms, lm_head) counted at the runtime dtype."""
