@@ -150,14 +150,18 @@ def main() -> None:
     parser.add_argument("--only", default="rtn,gptq")
     parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint and outputs")
     args = parser.parse_args()
+    from compress.algorithms.gptq import default_options
     from compress.model_source import resolve_model
+    from compress.schemes import default_scheme
 
     free = shutil.disk_usage(args.work.parent).free
     print(f"free disk under {args.work.parent}: {free / 2**30:.1f} GiB")
     if free < 24 * 2**30:
         raise SystemExit("need ~24 GiB free (13.8 GB checkpoint + outputs)")
     src = args.work / "llama7b-synthetic"
-    rows: dict[str, dict] = {}
+    # Rows of runs not repeated (--only) are kept from the previous results.
+    rows: dict[str, dict] = json.loads(RESULTS.read_text())["rows"] if RESULTS.is_file() else {}
+    rows = {k: v for k, v in rows.items() if k.split("_")[1] not in args.only.split(",") and "seconds" in v}
     try:
         if not (src / "config.json").is_file():
             start = time.perf_counter()
@@ -166,7 +170,8 @@ def main() -> None:
         params = sum(json.loads((src / "model.safetensors.index.json").read_text())["metadata"].values()) // 2
         if "rtn" in args.only:
             r = measure(["quantize", str(src), "--int4", "-o", str(args.work / "int4-rtn"), "--force", "--no-progress"])
-            rows["int4_rtn"] = {**r, "layers": CONFIG["num_hidden_layers"], "calibration": None}
+            rows["int4_rtn"] = {**r, "layers": CONFIG["num_hidden_layers"], "calibration": None,
+                                "scheme": default_scheme("int4").describe()}
             shutil.rmtree(args.work / "int4-rtn", ignore_errors=True)
         if "gptq" in args.only:
             view = args.work / f"llama7b-first{args.gptq_layers}"
@@ -176,12 +181,14 @@ def main() -> None:
                          "--calib-seq-len", str(args.seq_len), "-o", str(args.work / "int4-gptq"), "--force",
                          "--no-progress"])
             rows["int4_gptq"] = {**r, "layers": args.gptq_layers,
-                                 "calibration": f"wikipedia:calib, {args.samples} x {args.seq_len} tokens"}
+                                 "calibration": f"wikipedia:calib, {args.samples} x {args.seq_len} tokens",
+                                 "scheme": default_scheme("int4").describe(),
+                                 "gptq": str(default_options(default_scheme("int4")))}
             shutil.rmtree(args.work / "int4-gptq", ignore_errors=True)
     finally:
         if not args.keep:
             shutil.rmtree(args.work, ignore_errors=True)
-    print(f"\nsynthetic Llama-7B-shaped checkpoint ({params / 1e9:.2f}B params, bf16), INT4 W4A16_ASYM g64; "
+    print(f"\nsynthetic Llama-7B-shaped checkpoint ({params / 1e9:.2f}B params, bf16), {default_scheme('int4').describe()}; "
           f"peak RssAnon target <= {LIMIT_BYTES / 2**30:.0f} GiB")
     print(f"{'run':<10} {'layers':>6} {'peak RssAnon':>13} {'wall s':>8} {'s/layer':>8}  target")
     for k, r in rows.items():
@@ -191,7 +198,7 @@ def main() -> None:
         r["meets_target"] = r["peak_rss_anon"] <= LIMIT_BYTES
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
-        "checkpoint": {**CONFIG, "params": params}, "scheme": "W4A16_ASYM group 64 (kvslim --int4 default)",
+        "checkpoint": {**CONFIG, "params": params}, "scheme": "kvslim's --int4 default when run (per row)",
         "limit_bytes": LIMIT_BYTES, "threads": 2,
         "machine": f"{os.cpu_count()} CPUs shared with other jobs (load average {os.getloadavg()[0]:.1f} at write)",
         "rows": rows,

@@ -127,7 +127,8 @@ def gptq_quantize(
     if options.act_order:
         perm = torch.argsort(torch.diag(h), descending=True)
         w = w[:, perm]
-        h = h[perm][:, perm]
+        h = h[perm]  # two steps: the unpermuted Hessian is freed before the second copy exists
+        h = h[:, perm]
     holder = [h]
     del h
     hinv = _inverse_hessian_cholesky(holder, options.dampening)
