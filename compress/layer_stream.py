@@ -29,6 +29,7 @@ from torch import nn
 from compress.algorithms.gptq import DEFAULT_SINK_WEIGHT
 from compress.checkpoint import Checkpoint
 from compress.errors import KvslimError
+from compress.schemes import ActivationQuant
 
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _LAYER = re.compile(r"^(.*\.layers)\.(\d+)\.(.+)$")
@@ -463,7 +464,7 @@ class SequentialQuantizer:
 
 def calibrated_quantizer(
     source: str | Path, method: str, calib, options=None, kv_cache_fp8: bool = False, batch_tokens: int = 2048,
-    activations=None,
+    activations: ActivationQuant | None = None,
 ) -> SequentialQuantizer:
     """A ``SequentialQuantizer`` over ``source`` (a checkpoint dir) calibrated on ``calib``
     (a ``CalibrationSpec``); raises ``KvslimError`` on bad calibration input before any work.

@@ -1,4 +1,4 @@
-"""Calibration with the scheme's activation quantization applied (FP8_DYNAMIC, W8A8), as served."""
+"""Per-token activation fake-quantizers, and calibration with them applied (FP8_DYNAMIC, W8A8), as served."""
 from __future__ import annotations
 
 import pytest
