@@ -21,6 +21,7 @@ output loads the same way.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -142,7 +143,8 @@ def gptq_quantize(
         w1 = w[:, i1:i2].clone()
         err1 = torch.zeros_like(w1)
         hinv1 = hinv[i1:i2, i1:i2]
-        with _single_thread():  # hundreds of tiny ops per block: threads only add overhead
+        # Small layers: hundreds of tiny ops per block, where threads only add overhead.
+        with _single_thread() if rows * bs <= _SINGLE_THREAD_ELEMENTS else nullcontext():
             for i in range(i2 - i1):
                 col = i1 + i
                 orig_col = int(perm[col]) if perm is not None else col
@@ -165,11 +167,12 @@ def gptq_quantize(
                 q, dq = grid.fake_quantize(col_w)
                 q_int[:, orig_col] = q
                 d = hinv1[i, i]
-                e = (col_w - dq) / d
-                losses += (col_w - dq) ** 2 / d**2 / 2
-                w1[:, i:] -= e.unsqueeze(1) * hinv1[i, i:].unsqueeze(0)
+                diff = col_w - dq
+                e = diff / d
+                losses += diff**2 / d**2 / 2
+                w1[:, i:].addr_(e, hinv1[i, i:], alpha=-1)  # in place: no [rows, block] temporary
                 err1[:, i] = e
-        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+        w[:, i2:].addmm_(err1, hinv[i1:i2, i2:], alpha=-1)
     tensors = encode_linear(q_int, scale, zero, scheme)
     dequantized = dequantize(q_int, scale, zero, scheme)
     return GPTQResult(tensors, dequantized, float(losses.sum()))
@@ -205,6 +208,10 @@ class _ColumnGrid:
         if self.z_deq is not None:
             dq = dq - self.z_deq
         return q, (dq * self.s_deq).to(torch.float32)
+
+
+# Below this many weights per block (rows x block size) the column loop runs on one thread.
+_SINGLE_THREAD_ELEMENTS = 1 << 18
 
 
 class _single_thread:
