@@ -29,7 +29,7 @@ from torch import nn
 from compress.algorithms.gptq import DEFAULT_SINK_WEIGHT
 from compress.checkpoint import Checkpoint
 from compress.errors import KvslimError
-from compress.schemes import ActivationQuant
+from compress.schemes import ActivationQuant, QuantScheme
 
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _LAYER = re.compile(r"^(.*\.layers)\.(\d+)\.(.+)$")
@@ -383,7 +383,10 @@ class SequentialQuantizer:
         self.options = options or GPTQOptions()
         self.kv_observer = kv_observer
         self._layer: int | None = None  # layer whose Linears are being quantized
-        self._overrides: dict[str, torch.Tensor] = {}
+        # The current layer's quantized Linears, kept as stored (packed) until the layer is run
+        # with them: {module: (tensors, scheme, weight dtype)}. Dequantized copies of six
+        # Linears would cost ~300 MB at 7B while the last one's Hessian is inverted.
+        self._quantized: dict[str, tuple[dict[str, torch.Tensor], QuantScheme, torch.dtype]] = {}
         self._hessians: dict[str, torch.Tensor] = {}
         self._alias: dict[str, str] = {}
         self.losses: dict[str, float] = {}
@@ -392,10 +395,17 @@ class SequentialQuantizer:
         """Run layers until the stream holds the inputs of layer ``target``."""
         while self.stream.next_layer < target:
             i = self.stream.next_layer
-            overrides = self._overrides if i == self._layer else {}
+            overrides = self._dequantized_layer() if i == self._layer else {}
             self.stream.advance(i, overrides, self.kv_observer)
+            del overrides
             if i == self._layer:
-                self._overrides = {}
+                self._quantized = {}
+
+    def _dequantized_layer(self) -> dict[str, torch.Tensor]:
+        """``{module: weight}`` of the current layer's quantized Linears, as a loader decodes them."""
+        from compress.primitives import dequantize_linear
+
+        return {m: dequantize_linear(t, s).to(dtype) for m, (t, s, dtype) in self._quantized.items()}
 
     def _enter(self, layer: int | None) -> None:
         num_layers = self.stream.stack.num_layers
@@ -430,10 +440,9 @@ class SequentialQuantizer:
             return self._hessians[owner].clone()
         return self._hessians.pop(owner)
 
-    def quantize(self, module: str, weight: torch.Tensor, scheme) -> dict[str, torch.Tensor]:
+    def quantize(self, module: str, weight: torch.Tensor, scheme: QuantScheme) -> dict[str, torch.Tensor]:
         from compress.algorithms.gptq import gptq_quantize
         from compress.algorithms.rtn import RTN
-        from compress.primitives import dequantize_linear
 
         layer = layer_of_module(module)
         if layer != self._layer or (layer is None and self.stream.next_layer < self.stream.stack.num_layers):
@@ -441,12 +450,12 @@ class SequentialQuantizer:
         if self.name == "gptq":
             result = gptq_quantize(weight, self._take_hessian(module), scheme, self.options)
             self.losses[module] = result.loss
-            tensors, dequantized = result.tensors, result.dequantized
+            tensors = result.tensors  # decodes exactly to result.dequantized (tests/compress/test_gptq.py)
+            del result
         else:
             tensors = RTN().quantize(module, weight, scheme)
-            dequantized = dequantize_linear(tensors, scheme) if layer is not None else None
         if layer is not None:
-            self._overrides[module] = dequantized.to(weight.dtype)
+            self._quantized[module] = (tensors, scheme, weight.dtype)
         return tensors
 
     def finish(self) -> dict[str, torch.Tensor]:
