@@ -30,10 +30,9 @@ from compress.layer_stream import calibrated_quantizer
 from compress.model_source import resolve_model
 from compress.quantize import quantize_checkpoint
 from compress.schemes import default_scheme
-from eval.perplexity import DEFAULT_CONTEXT, DEFAULT_STRIDE, hf_logits_fn, perplexity, tokenize_range
+from dev_slice import CALIB, SEQ_LEN, dev_perplexity, dev_slice  # benchmarks/dev_slice.py
+from eval.perplexity import DEFAULT_CONTEXT, DEFAULT_STRIDE
 
-CALIB = "wikipedia:calib"
-SEQ_LEN = 512
 LEVERS = ("rtn", "plain", "served")
 
 
@@ -48,18 +47,13 @@ def main() -> None:
     args = parser.parse_args()
     out_path = args.out or Path(__file__).parent / "results" / f"gptq_dev_levers_{args.kind}.json"
     torch.set_num_threads(args.threads)
-    from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
     src = resolve_model("smollm2")
-    start = args.samples * SEQ_LEN
-    ids = tokenize_range(AutoTokenizer.from_pretrained(src), CALIB, max_tokens=start + args.dev_tokens)
-    dev = ids[start:]
-    if dev.numel() < args.dev_tokens:
-        raise SystemExit(f"{CALIB} holds {ids.numel()} tokens: too few for {args.samples} windows + {args.dev_tokens} dev tokens")
-    dev_name = f"{CALIB} tokens [{start}, {start + dev.numel()})"
+    dev, dev_name = dev_slice(src, args.samples, args.dev_tokens)
 
     def score(model) -> float:
-        return perplexity(hf_logits_fn(model), dev, dev_name, DEFAULT_CONTEXT, DEFAULT_STRIDE, progress=False).perplexity
+        return dev_perplexity(model, dev, dev_name)
 
     scheme = default_scheme(args.kind)
     served = scheme.input_activations is not None

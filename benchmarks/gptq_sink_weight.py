@@ -25,10 +25,9 @@ from compress.layer_stream import calibrated_quantizer
 from compress.model_source import resolve_model
 from compress.quantize import quantize_checkpoint
 from compress.schemes import default_scheme
-from eval.perplexity import DEFAULT_CONTEXT, DEFAULT_STRIDE, hf_logits_fn, perplexity, tokenize_range
+from dev_slice import CALIB, SEQ_LEN, dev_perplexity, dev_slice  # benchmarks/dev_slice.py
+from eval.perplexity import DEFAULT_CONTEXT, DEFAULT_STRIDE
 
-CALIB = "wikipedia:calib"
-SEQ_LEN = 512
 RESULTS = Path(__file__).parent / "results" / "gptq_sink_weight.json"
 
 
@@ -45,18 +44,13 @@ def main() -> None:
     args = parser.parse_args()
     levers = (" act-order" if args.act_order else "") + (f" {args.observer}" if args.observer != "minmax" else "")
     torch.set_num_threads(args.threads)
-    from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
     src = resolve_model("smollm2")
-    start = args.samples * SEQ_LEN
-    ids = tokenize_range(AutoTokenizer.from_pretrained(src), CALIB, max_tokens=start + args.dev_tokens)
-    dev = ids[start:]
-    if dev.numel() < args.dev_tokens:
-        raise SystemExit(f"{CALIB} holds {ids.numel()} tokens: too few for {args.samples} windows + {args.dev_tokens} dev tokens")
-    dev_name = f"{CALIB} tokens [{start}, {start + dev.numel()})"
+    dev, dev_name = dev_slice(src, args.samples, args.dev_tokens)
 
     def score(model) -> float:
-        return perplexity(hf_logits_fn(model), dev, dev_name, DEFAULT_CONTEXT, DEFAULT_STRIDE, progress=False).perplexity
+        return dev_perplexity(model, dev, dev_name)
 
     rows = {"original": score(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval())}
     print(f"original: {rows['original']:.3f} on {dev_name}", flush=True)

@@ -1,0 +1,30 @@
+"""The calibration dev slice: calibration text that no calibration window covers, for choosing
+levers without reading evaluation text (``gptq_sink_weight.py``, ``gptq_dev_levers.py``)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from eval.perplexity import DEFAULT_CONTEXT, DEFAULT_STRIDE, hf_logits_fn, perplexity, tokenize_range
+
+CALIB = "wikipedia:calib"
+SEQ_LEN = 512
+
+
+def dev_slice(model_dir: Path, samples: int, dev_tokens: int) -> tuple[torch.Tensor, str]:
+    """``(ids, name)``: the ``dev_tokens`` tokens of ``wikipedia:calib`` after ``samples`` windows
+    of ``SEQ_LEN`` tokens."""
+    from transformers import AutoTokenizer
+
+    start = samples * SEQ_LEN
+    ids = tokenize_range(AutoTokenizer.from_pretrained(model_dir), CALIB, max_tokens=start + dev_tokens)
+    dev = ids[start:]
+    if dev.numel() < dev_tokens:
+        raise SystemExit(f"{CALIB} holds {ids.numel()} tokens: too few for {samples} windows + {dev_tokens} dev tokens")
+    return dev, f"{CALIB} tokens [{start}, {start + dev.numel()})"
+
+
+def dev_perplexity(model, dev: torch.Tensor, name: str) -> float:
+    """Perplexity (context 512, stride 256) of a transformers model on the dev slice."""
+    return perplexity(hf_logits_fn(model), dev, name, DEFAULT_CONTEXT, DEFAULT_STRIDE, progress=False).perplexity
