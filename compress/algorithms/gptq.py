@@ -105,7 +105,7 @@ def gptq_quantize(
     if hessian.shape != (cols, cols):
         raise ValueError(f"Hessian {tuple(hessian.shape)} does not match weight columns {cols}")
     scheme.check_input_features(cols, "GPTQ weight")
-    w = weight.to(torch.float32).clone()
+    w = weight.to(torch.float32, copy=True)  # one copy (not a conversion, then a clone of it)
     h = hessian.to(torch.float32)
     del hessian  # the caller passes ownership; freeing it early bounds peak memory
 
