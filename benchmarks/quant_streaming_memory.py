@@ -161,7 +161,8 @@ def main() -> None:
     src = args.work / "llama7b-synthetic"
     # Rows of runs not repeated (--only) are kept from the previous results.
     rows: dict[str, dict] = json.loads(RESULTS.read_text())["rows"] if RESULTS.is_file() else {}
-    rows = {k: v for k, v in rows.items() if k.split("_")[1] not in args.only.split(",") and "seconds" in v}
+    rerun = {f"int4_{run}" for run in args.only.split(",")}
+    rows = {k: v for k, v in rows.items() if k not in rerun and "seconds" in v}
     try:
         if not (src / "config.json").is_file():
             start = time.perf_counter()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import re
-from contextlib import contextmanager
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
@@ -241,14 +241,14 @@ class HessianCollector:
 
 
 class _InputQuantizer:
-    """Forward pre-hooks fake-quantizing every Linear's input of a layer, as served (FP8_DYNAMIC,
-    W8A8). Linears reading the same tensor get the same quantized tensor, so they still share
-    one Hessian."""
+    """Within: forward pre-hooks fake-quantize every Linear's input of ``layer``, as served
+    (FP8_DYNAMIC, W8A8). Linears reading the same tensor get the same quantized tensor, so they
+    still share one Hessian."""
 
     def __init__(self, layer: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.fn = fn
+        self.layer, self.fn = layer, fn
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._handles = [m.register_forward_pre_hook(self._hook) for m in layer.modules() if isinstance(m, nn.Linear)]
+        self._handles: list = []
 
     def _hook(self, module, args):
         x = args[0]
@@ -256,20 +256,13 @@ class _InputQuantizer:
             self._last = (x, self.fn(x))
         return (self._last[1], *args[1:])
 
-    def remove(self) -> None:
+    def __enter__(self) -> None:
+        self._handles = [m.register_forward_pre_hook(self._hook) for m in self.layer.modules() if isinstance(m, nn.Linear)]
+
+    def __exit__(self, *exc) -> None:
         for h in self._handles:
             h.remove()
-        self._last = None
-
-
-@contextmanager
-def _inputs_quantized(layer: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor] | None):
-    quantizer = _InputQuantizer(layer, fn) if fn is not None else None
-    try:
-        yield
-    finally:
-        if quantizer is not None:
-            quantizer.remove()
+        self._handles, self._last = [], None
 
 
 class LayerStream:
@@ -317,7 +310,7 @@ class LayerStream:
         args, kwargs = batch.layer_args[i]
         if cache is not None:
             kwargs = dict(kwargs, past_key_values=cache)
-        with _inputs_quantized(layer, self.activations):
+        with _InputQuantizer(layer, self.activations) if self.activations is not None else nullcontext():
             out = layer(batch.hidden, *args, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 

@@ -34,8 +34,8 @@ from compress.summary import TensorStat, tensor_kind
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_IGNORE = ("lm_head",)
 # A pending shard is held in memory (and copied once more while safetensors serialises it), so the
-# shard size bounds the writer's share of peak memory: 256 MiB keeps a 7B model's GPTQ under
-# 2 GiB of anonymous memory (benchmarks/quant_streaming_memory.py; 512 MiB peaked at 2.27 GiB).
+# shard size bounds the writer's share of peak memory. 7B INT4 GPTQ still peaked at 2.14 GiB with
+# 256 MiB shards (2.27 GiB with 512 MiB; benchmarks/quant_streaming_memory.py, BENCHMARKS.md).
 DEFAULT_MAX_SHARD_BYTES = 256 * 2**20
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
@@ -107,16 +107,16 @@ def _layer_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _ordered(names: list[str], headers: dict, targets: set[str]) -> list[tuple[int | None, list[str]]]:
+def _ordered(ckpt: Checkpoint, targets: set[str]) -> list[tuple[int | None, list[str]]]:
     """Group tensor names by decoder layer, in layer order; non-layer tensors last. Within a
     layer, the Linears to quantize come last, by increasing input features: GPTQ holds every
     Hessian of the layer until its Linear is done, so the widest (down_proj's, 484 MB at 7B) is
     inverted after the others are freed."""
     groups: dict[int | None, list[str]] = {}
-    for n in names:
+    for n in ckpt.names():
         groups.setdefault(_layer_of(n), []).append(n)
     for group in groups.values():
-        group.sort(key=lambda n: (n in targets, headers[n][1][-1] if n in targets else 0, n))
+        group.sort(key=lambda n: (n in targets, ckpt.shape(n)[-1] if n in targets else 0, n))
     layers = sorted(k for k in groups if k is not None)
     return [(k, groups[k]) for k in layers] + ([(None, groups[None])] if None in groups else [])
 
@@ -156,7 +156,7 @@ def quantize_checkpoint(
     stats: list[TensorStat] = []
     with atomic_output_dir(out, force=force) as tmp:
         writer = ShardWriter(tmp, max_shard_bytes=max_shard_bytes)
-        groups = _ordered(ckpt.names(), ckpt.headers, targets)
+        groups = _ordered(ckpt, targets)
         bar = tqdm(groups, desc=f"quantize {scheme.name}", unit="layer", disable=not progress)
         for layer, names in bar:
             bar.set_postfix_str("other" if layer is None else f"layer {layer}")
