@@ -203,9 +203,24 @@ def _stat(name: str, original: torch.Tensor, bytes_after: int, quantized: bool,
     statistics, which the reports show only for quantized tensors."""
     mean_err = max_err = rel = 0.0
     if stored is not None:
-        diff = stored.float() - original.float()
-        abs_err = diff.abs()
-        mean_err, max_err = float(abs_err.mean()), float(abs_err.max())
-        rel = float(diff.norm() / original.float().norm().clamp_min(1e-30))
+        mean_err, max_err, rel = _error_stats(stored, original)
     return TensorStat(name, tensor_kind(name), str(original.dtype).removeprefix("torch."), original.numel(),
                       _nbytes(original), bytes_after, quantized, mean_err, max_err, rel)
+
+
+_STAT_CHUNK_ELEMENTS = 1 << 22  # fp32 temporaries of 16 MB, not several copies of a whole 7B weight
+
+
+def _error_stats(stored: torch.Tensor, original: torch.Tensor) -> tuple[float, float, float]:
+    """Mean and max ``|stored - original|`` and the relative Frobenius error, row chunk by chunk."""
+    rows = max(1, _STAT_CHUNK_ELEMENTS // original.shape[-1])
+    abs_sum = sq_err = sq_ref = 0.0
+    max_err = 0.0
+    for s, o in zip(stored.split(rows), original.split(rows)):
+        diff = s.float() - o.float()
+        abs_sum += float(diff.abs().sum(dtype=torch.float64))
+        max_err = max(max_err, float(diff.abs().max()))
+        sq_err += float(diff.square().sum(dtype=torch.float64))
+        sq_ref += float(o.float().square().sum(dtype=torch.float64))
+    rel = sq_err**0.5 / max(sq_ref**0.5, 1e-30)
+    return abs_sum / original.numel(), max_err, rel

@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
+from scipy.linalg import lapack
 
 from compress.errors import KvslimError
 from compress.primitives import dequantize, encode_linear, qparams_from_range, quantize
@@ -75,21 +76,60 @@ def hessian_from_inputs(x: torch.Tensor) -> torch.Tensor:
     return 2.0 / x.shape[0] * (x.t() @ x)
 
 
-def _inverse_hessian_cholesky(holder: list[torch.Tensor], dampening: float) -> torch.Tensor:
-    """Upper Cholesky factor of ``(H + damp I)^-1``. ``holder`` is ``[H]``; it is emptied so the
-    (possibly huge) Hessian is freed as soon as its factor exists."""
-    h = holder.pop()
-    diag = torch.arange(h.shape[0])
-    h[diag, diag] += dampening * torch.mean(torch.diag(h))
-    try:
-        factor = torch.linalg.cholesky(h)
-    except torch.linalg.LinAlgError:
+def _inverse_hessian_cholesky(h: torch.Tensor, dampening: float) -> torch.Tensor:
+    """Upper Cholesky factor of ``(H + damp I)^-1``, computed in ``h``'s own memory.
+
+    LAPACK's potrf / potri / potrf overwrite their input, so the factor takes no second [in, in]
+    buffer (torch's ``linalg.cholesky`` and ``cholesky_inverse`` each allocate one, out= too:
+    +0.5 GB at a 7B down_proj). ``h`` is C-contiguous fp32 and symmetric, so its F-order view is
+    ``H`` itself, and that view's lower factor ``L`` (``X = L L^T``) is ``L^T``, upper, in C order.
+    """
+    if h.dtype != torch.float32 or not h.is_contiguous():
+        raise ValueError("GPTQ Hessian must be a contiguous fp32 matrix")
+    diag = h.diagonal()
+    diag += dampening * torch.mean(diag)
+    fortran = h.numpy().T  # shares h's memory
+    out, info = lapack.spotrf(fortran, lower=1, overwrite_a=1, clean=0)
+    if info == 0:
+        out, info = lapack.spotri(out, lower=1, overwrite_c=1)
+    if info == 0:
+        out, info = lapack.spotrf(out, lower=1, overwrite_a=1, clean=1)
+    if out.ctypes.data != fortran.ctypes.data:  # scipy copied instead of overwriting
+        raise RuntimeError("LAPACK did not factor the GPTQ Hessian in place")
+    if info != 0:
         raise KvslimError("GPTQ: the calibration Hessian is not positive definite; raise --dampening "
-                          "or use more calibration samples") from None
-    del h
-    inv = torch.cholesky_inverse(factor)
-    del factor
-    return torch.linalg.cholesky(inv, upper=True)
+                          "or use more calibration samples")
+    return h
+
+
+_PERMUTE_CHUNK_ELEMENTS = 1 << 22
+
+
+def _permute_columns_(x: torch.Tensor, perm: torch.Tensor) -> None:
+    """``x[:] = x[:, perm]`` a block of rows at a time: 16 MB of scratch, not a copy of ``x``."""
+    rows = max(1, _PERMUTE_CHUNK_ELEMENTS // x.shape[1])
+    for r in range(0, x.shape[0], rows):
+        x[r : r + rows] = x[r : r + rows, perm]
+
+
+def _permute_rows_(x: torch.Tensor, perm: torch.Tensor) -> None:
+    """``x[:] = x[perm]`` in place, cycle by cycle, holding one row aside."""
+    order = perm.tolist()
+    done = [False] * len(order)
+    for start in range(len(order)):
+        if done[start] or order[start] == start:
+            done[start] = True
+            continue
+        held = x[start].clone()
+        i = start
+        while True:
+            done[i] = True
+            src = order[i]
+            if src == start:
+                x[i] = held
+                break
+            x[i] = x[src]
+            i = src
 
 
 def gptq_quantize(
@@ -106,7 +146,7 @@ def gptq_quantize(
         raise ValueError(f"Hessian {tuple(hessian.shape)} does not match weight columns {cols}")
     scheme.check_input_features(cols, "GPTQ weight")
     w = weight.to(torch.float32, copy=True)  # one copy (not a conversion, then a clone of it)
-    h = hessian.to(torch.float32)
+    h = hessian.to(torch.float32).contiguous()
     del hessian  # the caller passes ownership; freeing it early bounds peak memory
 
     dead = torch.diag(h) == 0
@@ -127,12 +167,11 @@ def gptq_quantize(
     perm = None
     if options.act_order:
         perm = torch.argsort(torch.diag(h), descending=True)
-        w = w[:, perm]
-        h = h[perm]  # two steps: the unpermuted Hessian is freed before the second copy exists
-        h = h[:, perm]
-    holder = [h]
+        _permute_columns_(w, perm)
+        _permute_rows_(h, perm)
+        _permute_columns_(h, perm)
+    hinv = _inverse_hessian_cholesky(h, options.dampening)
     del h
-    hinv = _inverse_hessian_cholesky(holder, options.dampening)
 
     q_int = torch.empty(rows, cols, dtype=torch.float8_e4m3fn if scheme.type == "float" else torch.int8)
     losses = torch.zeros(rows)
@@ -173,6 +212,7 @@ def gptq_quantize(
                 w1[:, i:].addr_(e, hinv1[i, i:], alpha=-1)  # in place: no [rows, block] temporary
                 err1[:, i] = e
         w[:, i2:].addmm_(err1, hinv[i1:i2, i2:], alpha=-1)
+    del w, w1, err1, hinv, hinv1  # the [in, in] factor is the largest buffer: gone before encoding
     tensors = encode_linear(q_int, scale, zero, scheme)
     dequantized = dequantize(q_int, scale, zero, scheme)
     return GPTQResult(tensors, dequantized, float(losses.sum()))

@@ -8,7 +8,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from compress.algorithms.gptq import GPTQOptions, default_options, gptq_quantize, hessian_from_inputs, with_act_order
+from compress.algorithms.gptq import (
+    GPTQOptions,
+    _inverse_hessian_cholesky,
+    _permute_columns_,
+    _permute_rows_,
+    default_options,
+    gptq_quantize,
+    hessian_from_inputs,
+    with_act_order,
+)
 from compress.checkpoint import Checkpoint
 from compress.errors import KvslimError
 from compress.layer_stream import SINK_WEIGHT, HessianCollector, LayerStream, LazyDecoderStack, SequentialQuantizer
@@ -38,6 +47,35 @@ def test_identity_hessian_is_round_to_nearest(scheme):
     w = torch.randn(32, 128, generator=torch.Generator().manual_seed(1))
     r = gptq_quantize(w, torch.eye(128), scheme, GPTQOptions(dampening=1e-6))
     assert torch.equal(r.dequantized, quantize_dequantize(w, scheme))
+
+
+def test_inverse_hessian_factor_is_torchs_computed_in_place():
+    """The LAPACK in-place factor equals torch's three-step reference and lives in H's memory."""
+    x = torch.randn(400, 96, generator=torch.Generator().manual_seed(2)) * torch.linspace(0.1, 3, 96)
+    h = hessian_from_inputs(x)
+    damped = h + 0.01 * torch.mean(torch.diag(h)) * torch.eye(96)
+    ref = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(damped)), upper=True)
+    ptr = h.data_ptr()
+    u = _inverse_hessian_cholesky(h, 0.01)
+    assert u.data_ptr() == ptr
+    torch.testing.assert_close(u, ref, rtol=1e-4, atol=1e-5)
+    assert torch.equal(u, torch.triu(u))
+
+
+@pytest.mark.parametrize("n", [1, 7, 130])
+def test_in_place_permutations_equal_indexing(n):
+    g = torch.Generator().manual_seed(n)
+    h, perm = torch.randn(n, n, generator=g), torch.randperm(n, generator=g)
+    expected = h[perm][:, perm]
+    _permute_rows_(h, perm)
+    _permute_columns_(h, perm)
+    assert torch.equal(h, expected)
+
+
+def test_indefinite_hessian_is_a_clear_error():
+    h = -torch.eye(8)
+    with pytest.raises(KvslimError, match="not positive definite"):
+        _inverse_hessian_cholesky(h, 0.01)
 
 
 def test_bf16_weights_keep_bf16_scales():
