@@ -9,8 +9,8 @@
    calibration samples, each in a fresh subprocess that samples its own ``RssAnon`` (anonymous
    resident memory; memory-mapped checkpoint pages do not count) from ``/proc/self/status``.
    GPTQ runs on the first ``--gptq-layers`` layers only (a view of the same shards whose config
-   and index stop there): per-layer memory is the same as for the full model, and the wall time
-   per layer is reported so the full-model time can be estimated.
+   and index stop there; ``--gptq-layers 32`` is the whole model, ~38 min on 2 idle cores). A
+   short view underestimates the peak: the pending output shard never fills in two layers.
 3. Deletes the synthetic checkpoint and outputs (unless ``--keep``), writes
    ``benchmarks/results/quant_streaming_memory.json`` and prints a table.
 

@@ -33,9 +33,9 @@ from compress.summary import TensorStat, tensor_kind
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_IGNORE = ("lm_head",)
-# A pending shard is held in memory (and copied once more while safetensors serialises it), so the
-# shard size bounds the writer's share of peak memory. 7B INT4 GPTQ still peaked at 2.14 GiB with
-# 256 MiB shards (2.27 GiB with 512 MiB; benchmarks/quant_streaming_memory.py, BENCHMARKS.md).
+# A pending shard is held in memory until it is written, so the shard size bounds the writer's
+# share of peak memory: 7B INT4 GPTQ peaks at 1.92 GiB with 256 MiB shards
+# (benchmarks/quant_streaming_memory.py, BENCHMARKS.md).
 DEFAULT_MAX_SHARD_BYTES = 256 * 2**20
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
