@@ -82,7 +82,8 @@ def _inverse_hessian_cholesky(h: torch.Tensor, dampening: float) -> torch.Tensor
     LAPACK's potrf / potri / potrf overwrite their input, so the factor takes no second [in, in]
     buffer (torch's ``linalg.cholesky`` and ``cholesky_inverse`` each allocate one, out= too:
     +0.5 GB at a 7B down_proj). ``h`` is C-contiguous fp32 and symmetric, so its F-order view is
-    ``H`` itself, and that view's lower factor ``L`` (``X = L L^T``) is ``L^T``, upper, in C order.
+    ``H`` itself; the lower factor ``L`` LAPACK leaves in that view (``X = L L^T``) reads, in C
+    order, as ``L^T``: the upper factor returned.
     """
     if h.dtype != torch.float32 or not h.is_contiguous():
         raise ValueError("GPTQ Hessian must be a contiguous fp32 matrix")
