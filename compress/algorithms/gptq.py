@@ -39,6 +39,8 @@ DEFAULT_SINK_WEIGHT = 16.0
 Observer = Literal["minmax", "mse"]
 OBSERVERS: tuple[Observer, ...] = ("minmax", "mse")
 MSE_GRID, MSE_MAX_SHRINK, MSE_NORM = 100, 0.2, 2.4
+# Row-chunked passes over a weight or Hessian (qparams, permutations): 16 MB fp32 temporaries.
+_CHUNK_ELEMENTS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -103,12 +105,9 @@ def _inverse_hessian_cholesky(h: torch.Tensor, dampening: float) -> torch.Tensor
     return h
 
 
-_PERMUTE_CHUNK_ELEMENTS = 1 << 22
-
-
 def _permute_columns_(x: torch.Tensor, perm: torch.Tensor) -> None:
     """``x[:] = x[:, perm]`` a block of rows at a time: 16 MB of scratch, not a copy of ``x``."""
-    rows = max(1, _PERMUTE_CHUNK_ELEMENTS // x.shape[1])
+    rows = max(1, _CHUNK_ELEMENTS // x.shape[1])
     for r in range(0, x.shape[0], rows):
         x[r : r + rows] = x[r : r + rows, perm]
 
@@ -268,9 +267,6 @@ def _scale_dtype(weight: torch.Tensor) -> torch.dtype:
     return weight.dtype if weight.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else torch.float16
 
 
-# Weights whose ranges are searched at once: bounds the search's temporaries (~16 MiB each).
-_QPARAM_CHUNK_ELEMENTS = 1 << 22
-
 
 def _group_qparams(
     cols: torch.Tensor, group: int, dtype: torch.dtype, scheme: QuantScheme, mse: bool
@@ -280,7 +276,7 @@ def _group_qparams(
     All groups at once, a chunk of rows at a time."""
     k = cols.shape[1] // group
     scales, zeros = [], []
-    for part in cols.split(max(1, _QPARAM_CHUNK_ELEMENTS // cols.shape[1])):
+    for part in cols.split(max(1, _CHUNK_ELEMENTS // cols.shape[1])):
         flat = part.to(dtype).reshape(-1, group)  # [n * k, group]
         lo, hi = flat.amin(dim=1), flat.amax(dim=1)
         if mse:

@@ -63,7 +63,10 @@ def test_inverse_hessian_factor_is_torchs_computed_in_place():
 
 
 @pytest.mark.parametrize("n", [1, 7, 130])
-def test_in_place_permutations_equal_indexing(n):
+def test_in_place_permutations_equal_indexing(n, monkeypatch):
+    from compress.algorithms import gptq
+
+    monkeypatch.setattr(gptq, "_CHUNK_ELEMENTS", 3 * max(n, 1))  # 3 rows per column-permute chunk, one ragged
     g = torch.Generator().manual_seed(n)
     h, perm = torch.randn(n, n, generator=g), torch.randperm(n, generator=g)
     expected = h[perm][:, perm]
@@ -221,7 +224,7 @@ def test_group_ranges_done_together_equal_one_group_at_a_time(mse, monkeypatch):
     scale and zero point it gets alone."""
     from compress.algorithms import gptq
 
-    monkeypatch.setattr(gptq, "_QPARAM_CHUNK_ELEMENTS", 128 * 3)  # 3 rows per chunk: 7 chunks, one ragged
+    monkeypatch.setattr(gptq, "_CHUNK_ELEMENTS", 128 * 3)  # 3 rows per chunk: 7 chunks, one ragged
     scheme = W4A16_ASYM.with_options(group_size=32)
     w = torch.randn(20, 128, generator=torch.Generator().manual_seed(5))
     scale, zero = gptq._group_qparams(w, 32, w.dtype, scheme, mse)
