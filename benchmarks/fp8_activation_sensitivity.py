@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from compress.activation_quant import FP8_MAX, fake_quantize_fp8_per_token
+from compress.activation_quant import FP8_MAX, LinearInputQuantizer, fake_quantize_fp8_per_token, quantize_fp8_per_token
 from compress.model_source import resolve_model
 from compress.quantize import PROJECTIONS
 from dev_slice import dev_perplexity, dev_slice  # benchmarks/dev_slice.py
@@ -30,10 +30,8 @@ KINDS = {"q/k/v": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate/up": (
 
 def mantissa_only_per_token(x: torch.Tensor) -> torch.Tensor:
     """Per-token scale to 448, then E4M3's 3-bit mantissa rounding with no exponent floor."""
-    xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX
-    scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
-    mantissa, exponent = torch.frexp(xf / scale)
+    _, scale = quantize_fp8_per_token(x)
+    mantissa, exponent = torch.frexp(x.float() / scale)
     rounded = torch.ldexp(torch.round(mantissa * 16) / 16, exponent)
     return (rounded.clamp(-FP8_MAX, FP8_MAX) * scale).to(x.dtype)
 
@@ -51,15 +49,12 @@ def main() -> None:
     dev, dev_name = dev_slice(src, args.samples, args.dev_tokens)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
 
+    @torch.no_grad()
     def score(kinds: tuple[str, ...], quantizer: Callable[[torch.Tensor], torch.Tensor] | None) -> float:
-        handles = [m.register_forward_pre_hook(lambda _m, a: (quantizer(a[0]), *a[1:]))
-                   for n, m in model.named_modules()
-                   if quantizer is not None and isinstance(m, torch.nn.Linear) and n.split(".")[-1] in kinds]
-        with torch.no_grad():
-            ppl = dev_perplexity(model, dev, dev_name)
-        for h in handles:
-            h.remove()
-        return ppl
+        if quantizer is None:
+            return dev_perplexity(model, dev, dev_name)
+        with LinearInputQuantizer(model, quantizer, select=lambda name: name.split(".")[-1] in kinds):
+            return dev_perplexity(model, dev, dev_name)
 
     base = score((), None)
     rows = {"original": {"perplexity": base}}

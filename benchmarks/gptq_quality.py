@@ -16,9 +16,9 @@ INT4-GPTQ within +10%, and its gap to the original at most 0.8x RTN's gap. W8A8 
 activations, issue 8) takes INT8's +1%. ``fp8_activations_only`` (original weights, FP8_DYNAMIC's
 per-token activation quantization only) is a diagnostic with no target: FP8_DYNAMIC's floor.
 
-Writes ``benchmarks/results/gptq_quality.json`` (or ``--out``) after every row. The machine is shared and
-noisy (2 cores, many jobs): the script uses one torch thread, which was faster than two under
-that load; timings are wall-clock.
+Writes ``benchmarks/results/gptq_quality.json`` (or ``--out``) after every row. ``--threads``
+defaults to one torch thread (faster than two when other jobs share the 2 cores; pass 2 on idle
+cores); timings are wall-clock.
 """
 from __future__ import annotations
 
@@ -88,15 +88,14 @@ def run_fp8_activations_only(src: Path, ids: torch.Tensor) -> dict:
     target)."""
     from transformers import AutoModelForCausalLM
 
-    from compress.activation_quant import fake_quantize_fp8_per_token
+    from compress.activation_quant import LinearInputQuantizer, fake_quantize_fp8_per_token
     from compress.quantize import DEFAULT_IGNORE
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name not in DEFAULT_IGNORE:
-            module.register_forward_pre_hook(lambda _m, args: (fake_quantize_fp8_per_token(args[0]), *args[1:]))
+    with LinearInputQuantizer(model, fake_quantize_fp8_per_token, select=lambda name: name not in DEFAULT_IGNORE):
+        scored = _ppl(model, ids)
     return {"method": "original weights, FP8 per-token activations (FP8_DYNAMIC's input quantization only)",
-            "kind": "fp8-activations-only", **_ppl(model, ids)}
+            "kind": "fp8-activations-only", **scored}
 
 
 def run_variant(name: str, src: Path, ids: torch.Tensor, work: Path, calib: CalibrationSpec) -> dict:

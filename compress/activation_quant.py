@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from torch import nn
 
 from compress.primitives import FP8_DTYPE
 from compress.schemes import ActivationQuant
@@ -19,15 +20,21 @@ INT8_MIN, INT8_MAX = -128.0, 127.0
 INT8_HALF_RANGE = 127.5
 
 
-def fake_quantize_fp8_per_token(x: torch.Tensor) -> torch.Tensor:
-    """Dynamic symmetric per-token FP8 quantize-dequantize (scale = amax / 448), in x's dtype.
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric per-token FP8: ``(q fp8 [..., K], scale fp32 [..., 1])``, ``x ~ q * scale``.
 
-    Matches compressed-tensors' dynamic ``token`` strategy for ``float`` 8-bit activations.
+    compressed-tensors' dynamic ``token`` strategy for ``float`` 8-bit activations:
+    ``scale = amax / 448`` (fp32 eps for an all-zero row), rounded to x's dtype.
     """
     xf = x.float()
     scale = xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX
     scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale).to(x.dtype).float()
-    q = torch.clamp(xf / scale, -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return torch.clamp(xf / scale, -FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def fake_quantize_fp8_per_token(x: torch.Tensor) -> torch.Tensor:
+    """Quantize-dequantize of ``quantize_fp8_per_token`` (``q * scale``), in x's dtype."""
+    q, scale = quantize_fp8_per_token(x)
     return (q.float() * scale).to(x.dtype)
 
 
@@ -57,3 +64,31 @@ def activation_fake_quantizer(acts: ActivationQuant | None) -> Callable[[torch.T
     if not (acts.dynamic and acts.strategy == "token" and acts.symmetric and acts.num_bits == 8):
         raise ValueError(f"no fake quantizer for {acts.describe()}")
     return fake_quantize_fp8_per_token if acts.type == "float" else fake_quantize_int8_per_token
+
+
+class LinearInputQuantizer:
+    """Within: every ``nn.Linear`` of ``module`` (those whose name ``select`` accepts; all by
+    default) sees ``fn(input)`` instead of its input, as a runtime serving FP8_DYNAMIC / W8A8 feeds
+    it. Linears reading the same tensor get the same quantized tensor (GPTQ's shared Hessians)."""
+
+    def __init__(self, module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
+                 select: Callable[[str], bool] | None = None) -> None:
+        self.module, self.fn, self.select = module, fn, select
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._handles: list = []
+
+    def _hook(self, _module, args):
+        x = args[0]
+        if self._last is None or self._last[0] is not x:
+            self._last = (x, self.fn(x))
+        return (self._last[1], *args[1:])
+
+    def __enter__(self) -> "LinearInputQuantizer":
+        self._handles = [m.register_forward_pre_hook(self._hook) for n, m in self.module.named_modules()
+                         if isinstance(m, nn.Linear) and (self.select is None or self.select(n))]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles, self._last = [], None

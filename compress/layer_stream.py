@@ -26,6 +26,7 @@ from typing import Callable, Protocol
 import torch
 from torch import nn
 
+from compress.activation_quant import LinearInputQuantizer, activation_fake_quantizer
 from compress.algorithms.gptq import DEFAULT_SINK_WEIGHT
 from compress.checkpoint import Checkpoint
 from compress.errors import KvslimError
@@ -240,31 +241,6 @@ class HessianCollector:
         return self._sums
 
 
-class _InputQuantizer:
-    """Within: forward pre-hooks fake-quantize every Linear's input of ``layer``, as served
-    (FP8_DYNAMIC, W8A8). Linears reading the same tensor get the same quantized tensor, so they
-    still share one Hessian."""
-
-    def __init__(self, layer: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.layer, self.fn = layer, fn
-        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._handles: list = []
-
-    def _hook(self, module, args):
-        x = args[0]
-        if self._last is None or self._last[0] is not x:
-            self._last = (x, self.fn(x))
-        return (self._last[1], *args[1:])
-
-    def __enter__(self) -> None:
-        self._handles = [m.register_forward_pre_hook(self._hook) for m in self.layer.modules() if isinstance(m, nn.Linear)]
-
-    def __exit__(self, *exc) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles, self._last = [], None
-
-
 class LayerStream:
     """Calibration activations pushed through the model one decoder layer at a time.
 
@@ -310,7 +286,7 @@ class LayerStream:
         args, kwargs = batch.layer_args[i]
         if cache is not None:
             kwargs = dict(kwargs, past_key_values=cache)
-        with _InputQuantizer(layer, self.activations) if self.activations is not None else nullcontext():
+        with LinearInputQuantizer(layer, self.activations) if self.activations is not None else nullcontext():
             out = layer(batch.hidden, *args, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
@@ -473,7 +449,6 @@ def calibrated_quantizer(
 
     ``activations``: the scheme's ``ActivationQuant`` (FP8_DYNAMIC, W8A8), applied to every
     Linear's input during calibration as the runtime applies it when serving."""
-    from compress.activation_quant import activation_fake_quantizer
     from compress.calibration import calibration_ids
     from compress.kv_scales import KVScaleObserver
 

@@ -25,11 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
+from compress.activation_quant import quantize_fp8_per_token
 from compress.errors import KvslimError
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-FP8_MAX = 448.0
 DECODE_MAX_M = 16
 
 
@@ -288,26 +288,13 @@ def fp8_weight_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     return _finish(target, splits, x.dtype)
 
 
-def quantize_activation_per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token FP8: ``(x_fp8 [M, K], scale fp32 [M, 1])`` with ``x ~ x_fp8 * scale``.
-
-    As compressed-tensors' dynamic ``token`` strategy (and the CPU runtime's
-    ``fake_quantize_fp8_per_token``): ``scale = amax / 448`` (fp32 eps for an all-zero row),
-    rounded to x's dtype."""
-    xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX
-    scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale).to(x.dtype).float()
-    x_q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return x_q, scale
-
-
 def fp8_w8a8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     """FP8 W8A8 on Hopper: dynamic per-token activation scales, row-wise ``torch._scaled_mm``."""
     N, K = fp8_weight_shapes(weight, weight_scale)
     _check_activation(x, K)
     if x.dtype != torch.bfloat16:  # row-wise scaled_mm produces bf16 only
         raise KvslimError(f"FP8 W8A8 needs bf16 activations, got {x.dtype}")
-    x_q, x_scale = quantize_activation_per_token_fp8(x)
+    x_q, x_scale = quantize_fp8_per_token(x)
     w_scale = _channel_scale(weight_scale, N).float().reshape(1, N).contiguous()
     return torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)
 
@@ -369,6 +356,6 @@ def reference_fp8_w8a8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scal
     """Plain-torch oracle for ``fp8_w8a8_matmul``: same activation quantization, fp32 product."""
     N, K = fp8_weight_shapes(weight, weight_scale)
     _check_activation(x, K)
-    x_q, x_scale = quantize_activation_per_token_fp8(x)
+    x_q, x_scale = quantize_fp8_per_token(x)
     w = weight.float() * _channel_scale(weight_scale, N).float().reshape(N, 1)
     return ((x_q.float() * x_scale) @ w.t()).to(x.dtype)
