@@ -61,7 +61,12 @@ VARIANTS: dict[str, tuple[str, str, bool, str]] = {
     "fp8_gptq_mse": ("fp8", "gptq", False, "mse"),
     "fp8_weight_only_rtn": ("fp8-weight-only", "rtn", False, "minmax"),
     "fp8_weight_only_gptq": ("fp8-weight-only", "gptq", False, "minmax"),
+    "int4_gptq_tuned": ("int4", "gptq", True, "mse"),
+    "int4_rtn_tuned": ("int4", "rtn", False, "minmax"),
 }
+# Variants whose scales are then tuned end to end (`--tune-scales-steps`): steps of 4 calibration
+# windows; 16 = one pass over the 64 default windows (chosen on the calibration dev slice).
+TUNE_STEPS = {"int4_gptq_tuned": 16, "int4_rtn_tuned": 16}
 TARGETS = {"fp8": 1.0, "fp8-weight-only": 1.0, "int8": 1.0, "w8a8": 1.0, "int4": 10.0}  # max % perplexity increase; INT4 gap also <= 0.8x RTN's
 FP8_ACTIVATIONS_ONLY = "fp8_activations_only"  # diagnostic row: see run_fp8_activations_only
 # Kinds evaluated with their activation quantization applied (transformers' default route).
@@ -111,15 +116,24 @@ def run_variant(name: str, src: Path, ids: torch.Tensor, work: Path, calib: Cali
         options = GPTQOptions(act_order=act_order, observer=observer)
         # as `compress quantize` does: the scheme's activation quantization applied while calibrating
         quantizer = calibrated_quantizer(src, "gptq", calib, options, activations=scheme.input_activations)
-    result = quantize_checkpoint(src, work / name, scheme, quantizer=quantizer, force=True, progress=False)
+    finish = None
+    if name in TUNE_STEPS:
+        from compress.calibration import calibration_ids
+        from compress.scale_tuning import ScaleTuningSpec, tune_scales
+
+        def finish(tmp: Path) -> None:
+            tune_scales(src, tmp, calibration_ids(src, calib), ScaleTuningSpec(TUNE_STEPS[name]), progress=False)
+    result = quantize_checkpoint(src, work / name, scheme, quantizer=quantizer, force=True, progress=False,
+                                 finish=finish)
     seconds = time.perf_counter() - start
     load = {} if kind in ACTIVATION_QUANTIZED else {"quantization_config": CompressedTensorsConfig(dequantize=True)}
     model = AutoModelForCausalLM.from_pretrained(result.out, dtype=torch.float32, **load).eval()
     row = {"method": f"{method.upper()} {scheme.describe()}" + (" act-order" if act_order else "")
            + (f" {observer} observer" if observer != "minmax" else "")
+           + (f" + scale tuning ({TUNE_STEPS[name]} steps x 4 windows)" if name in TUNE_STEPS else "")
            + ("; activations fake-quantized by compressed-tensors" if kind in ACTIVATION_QUANTIZED else ""),
            "kind": kind, "quantize_seconds": round(seconds, 1),
-           "calibration": calib.describe() if method == "gptq" else None, **_ppl(model, ids)}
+           "calibration": calib.describe() if method == "gptq" or name in TUNE_STEPS else None, **_ppl(model, ids)}
     shutil.rmtree(result.out, ignore_errors=True)
     return row
 

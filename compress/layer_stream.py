@@ -450,11 +450,20 @@ def calibrated_quantizer(
     ``activations``: the scheme's ``ActivationQuant`` (FP8_DYNAMIC, W8A8), applied to every
     Linear's input during calibration as the runtime applies it when serving."""
     from compress.calibration import calibration_ids
-    from compress.kv_scales import KVScaleObserver
 
     calib.check()
+    ids = calibration_ids(Checkpoint.open(source).path, calib)
+    return windows_quantizer(source, method, ids, options, kv_cache_fp8, batch_tokens, activations)
+
+
+def windows_quantizer(
+    source: str | Path, method: str, ids: torch.Tensor, options=None, kv_cache_fp8: bool = False,
+    batch_tokens: int = 2048, activations: ActivationQuant | None = None,
+) -> SequentialQuantizer:
+    """``calibrated_quantizer`` on token windows ``ids [num_samples, seq_len]`` already cut."""
+    from compress.kv_scales import KVScaleObserver
+
     ckpt = Checkpoint.open(source)
-    ids = calibration_ids(ckpt.path, calib)
     vocab = int(ckpt.config.get("vocab_size") or 0)
     if vocab and int(ids.max()) >= vocab:
         raise KvslimError(f"{ckpt.path}: its tokenizer produced id {int(ids.max())} >= vocab_size {vocab}")

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -137,9 +138,11 @@ def quantize_checkpoint(
     kv_cache_scheme: dict | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     dtype: torch.dtype | None = None,
+    finish: Callable[[Path], None] | None = None,
 ) -> QuantizeResult:
     """Quantize ``source`` (an HF checkpoint directory) into ``out`` (written atomically);
-    ``dtype`` casts every floating-point tensor first (default: keep the source's)."""
+    ``dtype`` casts every floating-point tensor first (default: keep the source's). ``finish``
+    runs on the complete output directory before it is published (e.g. scale tuning)."""
     if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise KvslimError(f"output dtype {dtype}: expected bfloat16, float16 or float32")
     quantizer = quantizer or RTN()
@@ -178,6 +181,8 @@ def quantize_checkpoint(
         config["quantization_config"] = quantization_config(scheme, ignore, kv_cache_scheme)
         write_config(tmp, config)
         ckpt.copy_side_files(tmp)
+        if finish is not None:
+            finish(tmp)
     return QuantizeResult(out.expanduser().resolve(), scheme, quantizer.name, ignore, tuple(stats),
                           time.perf_counter() - start)
 

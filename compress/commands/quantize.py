@@ -43,6 +43,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="calibration windows (default 64)")
     p.add_argument("--calib-seq-len", type=int, default=None, metavar="L",
                    help="tokens per calibration window (default 512)")
+    p.add_argument("--tune-scales-steps", type=int, default=None, metavar="S",
+                   help="after quantizing, tune every scale end to end for S steps (KL to the original's "
+                        "logits on the calibration windows, 4 windows a step); weight-only schemes; holds "
+                        "the model in memory twice")
     p.add_argument("--kv-cache-fp8", action="store_true",
                    help="calibrate per-layer FP8 k_scale/v_scale and declare kv_cache_scheme")
     p.add_argument("-o", "--output", required=True, help="output checkpoint directory")
@@ -66,10 +70,12 @@ def run(args: argparse.Namespace) -> int:
         from compress.algorithms.gptq import with_act_order
 
         scheme = with_act_order(scheme)
+    tuning = _scale_tuning(args, scheme, source)
     result = quantize_checkpoint(source, args.output, scheme, ignore=ignore, quantizer=quantizer,
                                  force=args.force, progress=not args.no_progress,
                                  kv_cache_scheme=kv_cache_scheme,
-                                 dtype=None if args.dtype is None else getattr(torch, args.dtype))
+                                 dtype=None if args.dtype is None else getattr(torch, args.dtype),
+                                 finish=tuning[0] if tuning else None)
     t = totals(result.stats)
     src_dtypes = sorted({s.source_dtype for s in result.stats if not s.quantized})
     print(f"scheme: {scheme.describe()}, {result.algorithm}; ignore: {', '.join(result.ignore)}")
@@ -85,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
     )
     if calib_note:
         print(calib_note)
+    if tuning:
+        print(tuning[1][0].describe())
     print(f"wrote {result.out} in {result.seconds:.1f} s")
     return 0
 
@@ -106,13 +114,12 @@ def _calibrated(args: argparse.Namespace, scheme, source):
     if args.method != "gptq" and gptq_flags:
         raise KvslimError(f"{gptq_flags[0]} is a GPTQ option; add --method gptq")
     if args.method != "gptq" and not args.kv_cache_fp8:
-        if calib_flags:
+        if calib_flags and args.tune_scales_steps is None:
             raise KvslimError(f"{calib_flags[0]} needs calibration: add --method gptq or --kv-cache-fp8")
         return None, None, "", False
     from dataclasses import replace
 
     from compress.algorithms.gptq import default_options
-    from compress.calibration import DEFAULT_CALIB_TEXT, DEFAULT_NUM_SAMPLES, DEFAULT_SEQ_LEN, CalibrationSpec
     from compress.kv_scales import KV_CACHE_SCHEME
     from compress.layer_stream import calibrated_quantizer
 
@@ -121,11 +128,7 @@ def _calibrated(args: argparse.Namespace, scheme, source):
                       dampening=defaults.dampening if args.dampening is None else args.dampening,
                       act_order=defaults.act_order if args.act_order is None else args.act_order,
                       observer=args.observer or defaults.observer)
-    spec = CalibrationSpec(
-        args.calib or DEFAULT_CALIB_TEXT,
-        DEFAULT_NUM_SAMPLES if args.num_calib_samples is None else args.num_calib_samples,
-        DEFAULT_SEQ_LEN if args.calib_seq_len is None else args.calib_seq_len,
-    )
+    spec = _calibration_spec(args)
     check_output_dir(Path(args.output).expanduser().resolve(), args.force)
     # The scheme's activation quantization (FP8_DYNAMIC, W8A8) is applied while calibrating, as served.
     quantizer = calibrated_quantizer(source, args.method, spec, options, kv_cache_fp8=args.kv_cache_fp8,
@@ -139,3 +142,33 @@ def _calibrated(args: argparse.Namespace, scheme, source):
         note += f"; inputs as served ({scheme.input_activations.describe()})"
     act_order = args.method == "gptq" and options.act_order
     return quantizer, KV_CACHE_SCHEME if args.kv_cache_fp8 else None, note, act_order
+
+
+def _calibration_spec(args: argparse.Namespace):
+    from compress.calibration import DEFAULT_CALIB_TEXT, DEFAULT_NUM_SAMPLES, DEFAULT_SEQ_LEN, CalibrationSpec
+
+    return CalibrationSpec(
+        args.calib or DEFAULT_CALIB_TEXT,
+        DEFAULT_NUM_SAMPLES if args.num_calib_samples is None else args.num_calib_samples,
+        DEFAULT_SEQ_LEN if args.calib_seq_len is None else args.calib_seq_len,
+    )
+
+
+def _scale_tuning(args: argparse.Namespace, scheme, source):
+    """``(finish callback, [report])`` for --tune-scales-steps, checked before any work; else None."""
+    if args.tune_scales_steps is None:
+        return None
+    from compress.calibration import calibration_ids
+    from compress.errors import KvslimError
+    from compress.scale_tuning import ScaleTuningSpec, tune_scales
+
+    spec = ScaleTuningSpec(args.tune_scales_steps)
+    if scheme.input_activations is not None:
+        raise KvslimError(f"--tune-scales-steps supports weight-only schemes; {scheme.name} quantizes activations too")
+    ids = calibration_ids(source, _calibration_spec(args))
+    reports: list = []
+
+    def finish(tmp) -> None:
+        reports.append(tune_scales(source, tmp, ids, spec, progress=not args.no_progress))
+
+    return finish, reports
