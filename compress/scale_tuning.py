@@ -28,6 +28,8 @@ from compress.schemes import scheme_from_config_group
 DEFAULT_BATCH_WINDOWS = 4
 DEFAULT_LEARNING_RATE = 1e-3
 _SCALE = "weight_scale"
+# What compress.primitives.encode_linear stores for a quantized Linear.
+_STORED = ("weight", "weight_packed", "weight_shape", _SCALE, "weight_zero_point", "weight_g_idx")
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,7 @@ def tune_scales(
     for module in _quantized_modules(ckpt):
         if module not in submodules or not isinstance(submodules[module], nn.Linear):
             raise KvslimError(f"{ckpt.path}: quantized tensor {module}.{_SCALE} has no Linear in {source}")
-        tensors = {key: ckpt.get(f"{module}.{key}") for key in _module_keys(ckpt, module)}
+        tensors = {key: ckpt.get(f"{module}.{key}") for key in _STORED if ckpt.has(f"{module}.{key}")}
         q, scale, zero, g_idx = decode_linear(tensors, scheme)
         if g_idx is not None:
             raise KvslimError(f"{module}: scale tuning does not support weight_g_idx")
@@ -141,11 +143,6 @@ def tune_scales(
     _rewrite_tensors(ckpt, tuned, load_file, save_file)
     return ScaleTuningReport(spec.steps, spec.steps * spec.batch_windows * ids.shape[1], kls[0], kls[-1],
                              time.perf_counter() - start, sum(s.numel() for s in scales.values()))
-
-
-def _module_keys(ckpt: Checkpoint, module: str) -> list[str]:
-    prefix = module + "."
-    return [name[len(prefix):] for name in ckpt.names() if name.startswith(prefix) and "." not in name[len(prefix):]]
 
 
 def _rewrite_tensors(ckpt: Checkpoint, replacements: dict[str, torch.Tensor], load_file, save_file) -> None:
