@@ -97,3 +97,10 @@ def calibration_ids(model_dir: str | Path, spec: CalibrationSpec) -> torch.Tenso
     tokenizer = load_tokenizer(model_dir)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return token_windows(ids, spec)
+
+
+def check_ids_in_vocab(ids: torch.Tensor, config: dict, where: str | Path) -> None:
+    """Refuse token ids the model's embedding cannot hold (a tokenizer that does not match it)."""
+    vocab = int(config.get("vocab_size") or 0)
+    if vocab and int(ids.max()) >= vocab:
+        raise KvslimError(f"{where}: its tokenizer produced id {int(ids.max())} >= vocab_size {vocab}")

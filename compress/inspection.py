@@ -52,7 +52,9 @@ class Inspection:
         return self.layout.kv_bytes_per_token(context, dtype_bytes, scale_bytes)
 
 
-def _scheme_of(config: dict) -> tuple[QuantScheme | None, str | None, tuple[str, ...]]:
+def scheme_of_config(config: dict) -> tuple[QuantScheme | None, str | None, tuple[str, ...]]:
+    """``(scheme, format, ignore)`` of a config's compressed-tensors ``quantization_config``
+    (``(None, None, ())`` when unquantized); one config group only."""
     qc = config.get("quantization_config")
     if qc is None:
         return None, None, ()
@@ -71,7 +73,7 @@ def inspect_checkpoint(path: str | Path) -> Inspection:
     config = ckpt.config
     model_type = model_type_of(config)
     layout = AttentionLayout.from_config(config)
-    scheme, fmt, ignore = _scheme_of(config)
+    scheme, fmt, ignore = scheme_of_config(config)
     by_dtype: Counter[str] = Counter()
     params = 0
     linears: list[QuantizedLinear] = []

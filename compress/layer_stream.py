@@ -461,12 +461,11 @@ def windows_quantizer(
     batch_tokens: int = 2048, activations: ActivationQuant | None = None,
 ) -> SequentialQuantizer:
     """``calibrated_quantizer`` on token windows ``ids [num_samples, seq_len]`` already cut."""
+    from compress.calibration import check_ids_in_vocab
     from compress.kv_scales import KVScaleObserver
 
     ckpt = Checkpoint.open(source)
-    vocab = int(ckpt.config.get("vocab_size") or 0)
-    if vocab and int(ids.max()) >= vocab:
-        raise KvslimError(f"{ckpt.path}: its tokenizer produced id {int(ids.max())} >= vocab_size {vocab}")
+    check_ids_in_vocab(ids, ckpt.config, ckpt.path)
     stream = LayerStream(LazyDecoderStack(ckpt), ids, batch_tokens=batch_tokens,
                          activations=activation_fake_quantizer(activations))
     return SequentialQuantizer(stream, method, options, KVScaleObserver() if kv_cache_fp8 else None)

@@ -17,13 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn.utils import parametrize
 
+from compress.calibration import check_ids_in_vocab
 from compress.checkpoint import Checkpoint
 from compress.errors import KvslimError
+from compress.inspection import scheme_of_config
 from compress.primitives import decode_linear, dequantize
-from compress.schemes import scheme_from_config_group
 
 DEFAULT_BATCH_WINDOWS = 4
 DEFAULT_LEARNING_RATE = 1e-3
@@ -66,9 +68,9 @@ class ScaleTuningReport:
 class _ScaleFactor(nn.Module):
     """``w -> w * m`` with ``m [rows, groups]`` repeated over each group's columns."""
 
-    def __init__(self, groups: torch.Tensor) -> None:
+    def __init__(self, scale: torch.Tensor) -> None:
         super().__init__()
-        self.m = nn.Parameter(torch.ones_like(groups, dtype=torch.float32))
+        self.m = nn.Parameter(torch.ones_like(scale, dtype=torch.float32))
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         return w * self.m.repeat_interleave(w.shape[1] // self.m.shape[1], dim=1)
@@ -84,18 +86,17 @@ def tune_scales(
 ) -> ScaleTuningReport:
     """Tune the scales of the quantized checkpoint ``quantized`` (rewritten in place: call it on
     a directory that is not yet published) against ``source`` on token windows ``ids [n, seq]``."""
-    from safetensors.torch import load_file, save_file
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
     start = time.perf_counter()
     ckpt = Checkpoint.open(quantized)
-    groups = (ckpt.quantization_config or {}).get("config_groups") or {}
-    if len(groups) != 1:
-        raise KvslimError(f"{ckpt.path}: scale tuning needs a checkpoint with one quantization config group")
-    scheme = scheme_from_config_group(next(iter(groups.values())))
+    scheme = scheme_of_config(ckpt.config)[0]
+    if scheme is None:
+        raise KvslimError(f"{ckpt.path} is not quantized; scale tuning needs a quantized checkpoint")
     if scheme.input_activations is not None:
         raise KvslimError(f"scale tuning supports weight-only schemes; {scheme.name} quantizes activations too")
+    check_ids_in_vocab(ids, ckpt.config, source)
     teacher = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     student = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     for p in student.parameters():
@@ -140,12 +141,12 @@ def tune_scales(
     del teacher, student, optimizer
     tuned = {f"{m}.{_SCALE}": (scales[m].to(torch.float32) * factors[m].m.detach().clamp_min(1e-3)).to(scales[m].dtype)
              for m in factors}
-    _rewrite_tensors(ckpt, tuned, load_file, save_file)
+    _rewrite_tensors(ckpt, tuned)
     return ScaleTuningReport(spec.steps, spec.steps * spec.batch_windows * ids.shape[1], kls[0], kls[-1],
                              time.perf_counter() - start, sum(s.numel() for s in scales.values()))
 
 
-def _rewrite_tensors(ckpt: Checkpoint, replacements: dict[str, torch.Tensor], load_file, save_file) -> None:
+def _rewrite_tensors(ckpt: Checkpoint, replacements: dict[str, torch.Tensor]) -> None:
     """Replace tensors (same shape and dtype) in the checkpoint's shard files."""
     by_file: dict[Path, list[str]] = {}
     for name in replacements:

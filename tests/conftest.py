@@ -40,3 +40,10 @@ def default_model_dir():
     from compress.model_source import resolve_model
 
     return resolve_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def tiny_with_tokenizer(default_model_dir, tmp_path_factory):
+    """A tiny random Llama that shares the default model's tokenizer (so real text tokenizes)."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tok") / "tiny", "llama",
+                                tokenizer_from=default_model_dir, vocab_size=49152)

@@ -65,12 +65,12 @@ def run(args: argparse.Namespace) -> int:
     scheme = default_scheme(args.kind).with_options(group_size=args.group_size, symmetric=args.symmetric)
     source = resolve_model(args.model)
     ignore = tuple(args.ignore) if args.ignore else DEFAULT_IGNORE
-    quantizer, kv_cache_scheme, calib_note, act_order = _calibrated(args, scheme, source)
+    quantizer, kv_cache_scheme, calib_note, act_order, calib_ids = _calibrated(args, scheme, source)
     if act_order:
         from compress.algorithms.gptq import with_act_order
 
         scheme = with_act_order(scheme)
-    tuning = _scale_tuning(args, scheme, source)
+    tuning = _scale_tuning(args, scheme, source, calib_ids)
     result = quantize_checkpoint(source, args.output, scheme, ignore=ignore, quantizer=quantizer,
                                  force=args.force, progress=not args.no_progress,
                                  kv_cache_scheme=kv_cache_scheme,
@@ -98,8 +98,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _calibrated(args: argparse.Namespace, scheme, source):
-    """``(quantizer or None, kv_cache_scheme or None, note, act_order)`` for --method gptq /
-    --kv-cache-fp8; unset GPTQ flags take ``default_options(scheme)``.
+    """``(quantizer or None, kv_cache_scheme or None, note, act_order, calibration windows or None)``
+    for --method gptq / --kv-cache-fp8; unset GPTQ flags take ``default_options(scheme)``.
 
     Every calibration flag is checked here, before anything is computed or written."""
     from pathlib import Path
@@ -115,13 +115,15 @@ def _calibrated(args: argparse.Namespace, scheme, source):
         raise KvslimError(f"{gptq_flags[0]} is a GPTQ option; add --method gptq")
     if args.method != "gptq" and not args.kv_cache_fp8:
         if calib_flags and args.tune_scales_steps is None:
-            raise KvslimError(f"{calib_flags[0]} needs calibration: add --method gptq or --kv-cache-fp8")
-        return None, None, "", False
+            raise KvslimError(f"{calib_flags[0]} needs calibration: add --method gptq, --kv-cache-fp8 "
+                              "or --tune-scales-steps")
+        return None, None, "", False, None
     from dataclasses import replace
 
     from compress.algorithms.gptq import default_options
+    from compress.calibration import calibration_ids
     from compress.kv_scales import KV_CACHE_SCHEME
-    from compress.layer_stream import calibrated_quantizer
+    from compress.layer_stream import windows_quantizer
 
     defaults = default_options(scheme)
     options = replace(defaults,
@@ -131,8 +133,9 @@ def _calibrated(args: argparse.Namespace, scheme, source):
     spec = _calibration_spec(args)
     check_output_dir(Path(args.output).expanduser().resolve(), args.force)
     # The scheme's activation quantization (FP8_DYNAMIC, W8A8) is applied while calibrating, as served.
-    quantizer = calibrated_quantizer(source, args.method, spec, options, kv_cache_fp8=args.kv_cache_fp8,
-                                     activations=scheme.input_activations)
+    ids = calibration_ids(source, spec)
+    quantizer = windows_quantizer(source, args.method, ids, options, kv_cache_fp8=args.kv_cache_fp8,
+                                  activations=scheme.input_activations)
     what = ["GPTQ" if args.method == "gptq" else "", "FP8 KV-cache scales" if args.kv_cache_fp8 else ""]
     note = f"calibration ({' + '.join(w for w in what if w)}): {spec.describe()}"
     if args.method == "gptq":
@@ -141,7 +144,7 @@ def _calibrated(args: argparse.Namespace, scheme, source):
     if scheme.input_activations is not None:
         note += f"; inputs as served ({scheme.input_activations.describe()})"
     act_order = args.method == "gptq" and options.act_order
-    return quantizer, KV_CACHE_SCHEME if args.kv_cache_fp8 else None, note, act_order
+    return quantizer, KV_CACHE_SCHEME if args.kv_cache_fp8 else None, note, act_order, ids
 
 
 def _calibration_spec(args: argparse.Namespace):
@@ -154,8 +157,9 @@ def _calibration_spec(args: argparse.Namespace):
     )
 
 
-def _scale_tuning(args: argparse.Namespace, scheme, source):
-    """``(finish callback, [report])`` for --tune-scales-steps, checked before any work; else None."""
+def _scale_tuning(args: argparse.Namespace, scheme, source, ids=None):
+    """``(finish callback, [report])`` for --tune-scales-steps, checked before any work; else None.
+    ``ids``: the calibration windows already cut for GPTQ / KV scales (the same text), if any."""
     if args.tune_scales_steps is None:
         return None
     from compress.calibration import calibration_ids
@@ -165,7 +169,8 @@ def _scale_tuning(args: argparse.Namespace, scheme, source):
     spec = ScaleTuningSpec(args.tune_scales_steps)
     if scheme.input_activations is not None:
         raise KvslimError(f"--tune-scales-steps supports weight-only schemes; {scheme.name} quantizes activations too")
-    ids = calibration_ids(source, _calibration_spec(args))
+    if ids is None:
+        ids = calibration_ids(source, _calibration_spec(args))
     reports: list = []
 
     def finish(tmp) -> None:

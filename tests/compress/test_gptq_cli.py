@@ -9,14 +9,6 @@ import torch
 
 from compress.cli import main
 from compress.checkpoint import Checkpoint
-from tests.tiny_models import make_tiny_checkpoint
-
-
-@pytest.fixture(scope="module")
-def tiny_with_tokenizer(default_model_dir, tmp_path_factory):
-    """A tiny random Llama that shares the default model's tokenizer (so calibration text tokenizes)."""
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tok") / "tiny", "llama",
-                                tokenizer_from=default_model_dir, vocab_size=49152)
 
 
 def test_gptq_cli_end_to_end(tiny_with_tokenizer, tmp_path, capsys):
@@ -118,8 +110,8 @@ def test_calibration_applies_the_served_activation_quantization(kind, acts, tiny
     import compress.layer_stream as layer_stream
 
     seen = []
-    real = layer_stream.calibrated_quantizer
-    monkeypatch.setattr(layer_stream, "calibrated_quantizer",
+    real = layer_stream.windows_quantizer
+    monkeypatch.setattr(layer_stream, "windows_quantizer",
                         lambda *a, **kw: seen.append(kw.get("activations")) or real(*a, **kw))
     assert main(["quantize", str(tiny_with_tokenizer), kind, "--method", "gptq", "--num-calib-samples", "2",
                  "--calib-seq-len", "32", "-o", str(tmp_path / "a"), "--no-progress"]) == 0

@@ -70,11 +70,3 @@ def test_cli_refuses_tuning_an_activation_scheme(tiny_with_tokenizer, tmp_path, 
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "\n" not in err and "weight-only" in err
     assert not out.exists()
-
-
-@pytest.fixture(scope="module")
-def tiny_with_tokenizer(default_model_dir, tmp_path_factory):
-    from tests.tiny_models import make_tiny_checkpoint
-
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tok") / "tiny", "llama",
-                                tokenizer_from=default_model_dir, vocab_size=49152)

@@ -16,15 +16,6 @@ def private_results(tmp_path, monkeypatch):
     return tmp_path / "results"
 
 
-@pytest.fixture(scope="module")
-def tiny_with_tokenizer(tmp_path_factory, default_model_dir):
-    from tests.tiny_models import make_tiny_checkpoint
-
-    return make_tiny_checkpoint(
-        tmp_path_factory.mktemp("tiny") / "llama", "llama", vocab_size=49152, tokenizer_from=default_model_dir
-    )
-
-
 def test_tiny_scores_are_deterministic_and_parsed_back(tiny_with_tokenizer, private_results, capsys):
     assert main(["eval", str(tiny_with_tokenizer), *TINY_ARGS]) == 0
     out = capsys.readouterr().out
