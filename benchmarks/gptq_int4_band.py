@@ -13,7 +13,8 @@ starting at window 0 / 64 / 128: three disjoint calibration sets of the default 
 fp32 / in float64 instead of LAPACK in place). Levers: ``n128`` / ``n256`` (128 / 256 windows),
 ``damp0.1`` / ``damp0.001`` (dampening), ``tuned`` /
 ``tuned_w64`` / ``tuned_w128`` (GPTQ, then 16 steps of scale tuning, ``--tune-scales-steps 16``, on
-the same windows), ``rtn`` (no GPTQ).
+the same windows), ``n16`` / ``tuned_n16`` (the 16 windows ``make demo`` calibrates on, without / with
+16 tuning steps), ``rtn`` (no GPTQ).
 Writes ``benchmarks/results/gptq_int4_band.json`` (merging rows of earlier runs; its ``refit*`` rows
 are from a lever tried and removed: each row's group scales re-fitted by least squares under the
 Hessian's metric after GPTQ).
@@ -79,6 +80,8 @@ LEVERS = {
     "tuned": Lever(tune_steps=16),
     "tuned_w64": Lever(first_window=64, tune_steps=16),
     "tuned_w128": Lever(first_window=128, tune_steps=16),
+    "n16": Lever(windows=16),
+    "tuned_n16": Lever(windows=16, tune_steps=16),
 }
 
 

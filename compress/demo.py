@@ -1,6 +1,7 @@
 """`python -m compress.demo` (what `make demo` runs): the main job end to end on the default model.
 
-SmolLM2-135M-Instruct is quantized (FP8 weights + calibrated FP8 KV cache; INT4 by GPTQ; the
+SmolLM2-135M-Instruct is quantized (FP8 weights + calibrated FP8 KV cache; INT4 by GPTQ with its
+scales then tuned end to end; the
 unquantized tensors stored in bf16, since the default model's own dtype is the GGUF's fp32),
 rewritten (MQA + KV shared by pairs of layers) and briefly healed, then every checkpoint is
 evaluated on kvslim's own runtime (lm-eval through the ``kvslim`` backend, small fixed limits)
@@ -27,7 +28,8 @@ LIMIT = 30  # docs per lm-eval task
 PPL_TOKENS = 2048  # wikipedia:eval tokens
 HEAL_STEPS = 20  # x 4 x 256 tokens of wikipedia:heal
 KV_CALIB_SAMPLES = 8  # x 512 tokens of wikipedia:calib for the FP8 KV scales
-GPTQ_CALIB_SAMPLES = 16  # x 512 tokens of wikipedia:calib for GPTQ's Hessians
+GPTQ_CALIB_SAMPLES = 16  # x 512 tokens of wikipedia:calib for GPTQ's Hessians and the scale tuning
+TUNE_SCALES_STEPS = 16  # x 4 windows: the INT4 scales tuned end to end after GPTQ (compress/scale_tuning.py)
 
 
 def stages() -> list[tuple[str, list[str]]]:
@@ -37,8 +39,9 @@ def stages() -> list[tuple[str, list[str]]]:
     return [
         ("quantize: FP8 weights + calibrated FP8 KV cache",
          ["quantize", MODEL, "--fp8", "--kv-cache-fp8", "--dtype", "bfloat16", "--num-calib-samples", str(KV_CALIB_SAMPLES), "-o", fp8, "--force"]),
-        ("quantize: INT4 weights by GPTQ (act-order, mse ranges: its defaults for INT4)",
-         ["quantize", MODEL, "--int4", "--dtype", "bfloat16", "--method", "gptq", "--num-calib-samples", str(GPTQ_CALIB_SAMPLES), "-o", int4, "--force"]),
+        ("quantize: INT4 weights by GPTQ (act-order, mse ranges: its defaults for INT4), then scale tuning",
+         ["quantize", MODEL, "--int4", "--dtype", "bfloat16", "--method", "gptq", "--num-calib-samples", str(GPTQ_CALIB_SAMPLES),
+          "--tune-scales-steps", str(TUNE_SCALES_STEPS), "-o", int4, "--force"]),
         (f"convert: MQA + KV shared by pairs of layers, healed {HEAL_STEPS} steps",
          ["convert", MODEL, "--mqa", "--kv-share", "2", "--heal-steps", str(HEAL_STEPS), "--eval-tokens", "0",
           "-o", mqa, "--force"]),
