@@ -4,8 +4,8 @@
 
 Fills the engine with ``--concurrency`` requests of 128 real tokens (``engine_step_profile``'s
 setup), then times ``--steps`` decode steps with the decoder run eagerly, with every layer's
-MLP and norms compiled, and with every whole decoder layer compiled (attention's paged-cache calls
-become graph breaks). Prints a table and writes JSON; run it on idle cores.
+MLP and norms compiled, and with every whole decoder layer compiled (dynamo then traces into the
+paged attention backend too, one graph per layer index). Prints a table and writes JSON; run it on idle cores.
 """
 from __future__ import annotations
 

@@ -6,8 +6,9 @@ original's (KL divergence on logits) on the calibration windows: the end-to-end 
 EfficientQAT (Chen et al., 2024, "E2E-QP"), with the original model as teacher. Only the
 ``weight_scale`` tensors change, so the checkpoint keeps its format, bytes and loaders.
 
-It holds two copies of the model in fp32 plus one weight gradient each: for small models on
-the CPU, or larger ones on a GPU. GPTQ / RTN stay layer-streamed; this pass does not.
+It holds two copies of the model in fp32 plus one weight gradient each, and one calibration
+window's activations (the batch's windows are run one at a time, gradients accumulated): for
+small models on the CPU, or larger ones on a GPU. GPTQ / RTN stay layer-streamed; this pass does not.
 """
 from __future__ import annotations
 
@@ -128,15 +129,19 @@ def tune_scales(
             order += torch.randperm(ids.shape[0], generator=generator).tolist()
         batch = ids[order[: spec.batch_windows]]
         del order[: spec.batch_windows]
-        with torch.no_grad():
-            target = torch.log_softmax(teacher(input_ids=batch).logits, dim=-1).flatten(0, 1)
-        logp = torch.log_softmax(student(input_ids=batch).logits, dim=-1).flatten(0, 1)
-        loss = torch.nn.functional.kl_div(logp, target, log_target=True, reduction="batchmean")
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        kl = 0.0
+        for window in batch.split(1):  # one window's activations alive at a time; gradients accumulate
+            with torch.no_grad():
+                target = torch.log_softmax(teacher(input_ids=window).logits, dim=-1).flatten(0, 1)
+            logp = torch.log_softmax(student(input_ids=window).logits, dim=-1).flatten(0, 1)
+            loss = torch.nn.functional.kl_div(logp, target, log_target=True, reduction="sum") / batch.numel()
+            loss.backward()
+            kl += float(loss.detach())
+            del target, logp, loss
         optimizer.step()
         schedule.step()
-        kls.append(float(loss.detach()))
+        kls.append(kl)
         bar.set_postfix_str(f"KL {kls[-1]:.4f}")
     del teacher, student, optimizer
     tuned = {f"{m}.{_SCALE}": (scales[m].to(torch.float32) * factors[m].m.detach().clamp_min(1e-3)).to(scales[m].dtype)
