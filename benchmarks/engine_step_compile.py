@@ -25,8 +25,9 @@ MODES = ("eager", "compile_mlp_norms", "compile_layers")
 
 
 def _compile(engine, mode: str) -> None:
-    # Each layer specializes its own graph (its index selects its cache group): room for all of them.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(engine.model.layers))
+    if mode == "compile_layers":
+        # Each layer specializes its own graph (its index selects its cache group): room for all of them.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(engine.model.layers))
     for i, layer in enumerate(engine.model.layers):
         if mode == "compile_layers":
             engine.model.layers[i] = torch.compile(layer, dynamic=True)

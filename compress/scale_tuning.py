@@ -6,8 +6,8 @@ original's (KL divergence on logits) on the calibration windows: the end-to-end 
 EfficientQAT (Chen et al., 2024, "E2E-QP"), with the original model as teacher. Only the
 ``weight_scale`` tensors change, so the checkpoint keeps its format, bytes and loaders.
 
-It holds two copies of the model in fp32 plus one weight gradient each, and one calibration
-window's activations (the batch's windows are run one at a time, gradients accumulated): for
+It holds two copies of the model in fp32, the factors and their optimizer state, and one
+calibration window's activations (the batch's windows are run one at a time, gradients accumulated): for
 small models on the CPU, or larger ones on a GPU. GPTQ / RTN stay layer-streamed; this pass does not.
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ from compress.checkpoint import Checkpoint
 from compress.errors import KvslimError
 from compress.inspection import scheme_of_config
 from compress.primitives import decode_linear, dequantize
+from compress.schemes import QuantScheme
 
 DEFAULT_BATCH_WINDOWS = 4
 DEFAULT_LEARNING_RATE = 1e-3
@@ -77,6 +78,13 @@ class _ScaleFactor(nn.Module):
         return w * self.m.repeat_interleave(w.shape[1] // self.m.shape[1], dim=1)
 
 
+def check_tunable(scheme: QuantScheme) -> None:
+    """Refuse schemes that quantize activations: tuning their weight scales raised perplexity on the
+    default model (BENCHMARKS.md, issue 3's seventh session)."""
+    if scheme.input_activations is not None:
+        raise KvslimError(f"--tune-scales-steps supports weight-only schemes; {scheme.name} quantizes activations too")
+
+
 def _quantized_modules(ckpt: Checkpoint) -> list[str]:
     return sorted(name[: -len(_SCALE) - 1] for name in ckpt.names() if name.endswith("." + _SCALE))
 
@@ -95,8 +103,7 @@ def tune_scales(
     scheme = scheme_of_config(ckpt.config)[0]
     if scheme is None:
         raise KvslimError(f"{ckpt.path} is not quantized; scale tuning needs a quantized checkpoint")
-    if scheme.input_activations is not None:
-        raise KvslimError(f"scale tuning supports weight-only schemes; {scheme.name} quantizes activations too")
+    check_tunable(scheme)
     check_ids_in_vocab(ids, ckpt.config, source)
     teacher = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     student = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()

@@ -163,12 +163,10 @@ def _scale_tuning(args: argparse.Namespace, scheme, source, ids=None):
     if args.tune_scales_steps is None:
         return None
     from compress.calibration import calibration_ids
-    from compress.errors import KvslimError
-    from compress.scale_tuning import ScaleTuningSpec, tune_scales
+    from compress.scale_tuning import ScaleTuningSpec, check_tunable, tune_scales
 
     spec = ScaleTuningSpec(args.tune_scales_steps)
-    if scheme.input_activations is not None:
-        raise KvslimError(f"--tune-scales-steps supports weight-only schemes; {scheme.name} quantizes activations too")
+    check_tunable(scheme)
     if ids is None:
         ids = calibration_ids(source, _calibration_spec(args))
     reports: list = []
