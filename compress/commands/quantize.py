@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     if calib_note:
         print(calib_note)
     if tuning:
-        print(tuning[1][0].describe())
+        print(tuning[1][0])
     print(f"wrote {result.out} in {result.seconds:.1f} s")
     return 0
 
@@ -158,7 +158,7 @@ def _calibration_spec(args: argparse.Namespace):
 
 
 def _scale_tuning(args: argparse.Namespace, scheme, source, ids=None):
-    """``(finish callback, [report])`` for --tune-scales-steps, checked before any work; else None.
+    """``(finish callback, [report line])`` for --tune-scales-steps, checked before any work; else None.
     ``ids``: the calibration windows already cut for GPTQ / KV scales (the same text), if any."""
     if args.tune_scales_steps is None:
         return None
@@ -167,11 +167,13 @@ def _scale_tuning(args: argparse.Namespace, scheme, source, ids=None):
 
     spec = ScaleTuningSpec(args.tune_scales_steps)
     check_tunable(scheme)
+    calib = _calibration_spec(args)
     if ids is None:
-        ids = calibration_ids(source, _calibration_spec(args))
+        ids = calibration_ids(source, calib)
     reports: list = []
 
     def finish(tmp) -> None:
-        reports.append(tune_scales(source, tmp, ids, spec, progress=not args.no_progress))
+        report = tune_scales(source, tmp, ids, spec, progress=not args.no_progress)
+        reports.append(f"{report.describe()}; on {calib.describe()}")
 
     return finish, reports

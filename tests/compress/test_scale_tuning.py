@@ -63,6 +63,13 @@ def test_cli_tunes_after_gptq(tiny_with_tokenizer, tmp_path, capsys):
     assert "scale tuning: 2 steps" in capsys.readouterr().out
 
 
+def test_cli_tuning_after_rtn_names_its_calibration_text(tiny_with_tokenizer, tmp_path, capsys):
+    rc = main(["quantize", str(tiny_with_tokenizer), "--int4", "--num-calib-samples", "4", "--calib-seq-len", "32",
+               "--tune-scales-steps", "1", "-o", str(tmp_path / "t"), "--no-progress"])
+    assert rc == 0
+    assert "; on 4 x 32 tokens of wikipedia:calib" in capsys.readouterr().out
+
+
 def test_cli_refuses_tuning_an_activation_scheme(tiny_with_tokenizer, tmp_path, capsys):
     out = tmp_path / "o"
     rc = main(["quantize", str(tiny_with_tokenizer), "--w8a8", "--tune-scales-steps", "2", "-o", str(out),
