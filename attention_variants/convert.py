@@ -87,8 +87,9 @@ def validate(spec: ConvertSpec, config: dict) -> AttentionLayout:
         if spec.merge not in gqa.MERGE_METHODS:
             raise KvslimError(f"--merge {spec.merge}: expected one of {', '.join(gqa.MERGE_METHODS)}")
     if spec.kv_share is not None:
-        if not 1 <= spec.kv_share <= n_layers:
-            raise KvslimError(f"--kv-share {spec.kv_share} must be between 1 and the model's {n_layers} layers")
+        if not 2 <= spec.kv_share <= n_layers:
+            raise KvslimError(f"--kv-share {spec.kv_share} must be between 2 (groups of 1 share nothing) and the "
+                              f"model's {n_layers} layers")
         if KV_SOURCE_KEY in config:
             raise KvslimError(f"--kv-share conflicts with the model's existing {KV_SOURCE_KEY}")
         if model_type not in CAUSAL_LM_CLASSES:
@@ -105,10 +106,16 @@ def validate(spec: ConvertSpec, config: dict) -> AttentionLayout:
             raise KvslimError(f"--global-every {spec.global_every} must be between 1 and the model's {n_layers} layers")
         if spec.global_layers is not None:
             bad = [i for i in spec.global_layers if not 0 <= i < n_layers]
-            if bad or len(set(spec.global_layers)) != len(spec.global_layers):
+            if bad or not spec.global_layers or len(set(spec.global_layers)) != len(spec.global_layers):
                 raise KvslimError(f"--global-layers {list(spec.global_layers)}: need distinct layers in [0, {n_layers})")
     elif spec.global_every is not None or spec.global_layers is not None:
         raise KvslimError("--global-every / --global-layers need --sliding-window")
+    if spec.kv_share_select != "first" and spec.kv_share is None:
+        raise KvslimError(f"--kv-share-select {spec.kv_share_select} needs --kv-share K")
+    if spec.global_select != "fixed" and spec.sliding_window is None:
+        raise KvslimError(f"--global-select {spec.global_select} needs --sliding-window W")
+    if spec.calib is not None and not spec.needs_calibration:
+        raise KvslimError("--calib is given but nothing calibrates (--merge mean, fixed supplier and global layers)")
     return layout
 
 

@@ -58,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("compress: interrupted\n")
         return 130
+    except BrokenPipeError:  # e.g. `compress inspect CKPT | head`: the reader left, nothing is wrong
+        try:  # no second BrokenPipeError when the interpreter flushes stdout at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 141
 
 
 if __name__ == "__main__":

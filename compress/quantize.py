@@ -91,12 +91,17 @@ def plan_linears(ckpt: Checkpoint, scheme: QuantScheme, ignore: tuple[str, ...])
     ]
     if not any(_module_of(n).rsplit(".", 1)[-1] in PROJECTIONS for n in linears):
         raise KvslimError(f"{ckpt.path}: no attention/MLP projection weights (*_proj.weight) found")
-    if tied and not _ignored("lm_head", ignore):
-        raise KvslimError("lm_head is tied to the input embeddings and cannot be quantized; keep it in --ignore")
     modules = [_module_of(n) for n in linears]
     for pattern in ignore:
+        if pattern.startswith("re:"):
+            try:
+                re.compile(pattern.removeprefix("re:"))
+            except re.error as e:
+                raise KvslimError(f"--ignore {pattern}: not a valid regular expression ({e})") from None
         if pattern != "lm_head" and not any(_ignored(m, (pattern,)) for m in modules):
             raise KvslimError(f"--ignore {pattern} matches no Linear module of the checkpoint")
+    if tied and not _ignored("lm_head", ignore):
+        raise KvslimError("lm_head is tied to the input embeddings and cannot be quantized; keep it in --ignore")
     chosen = [n for n in linears if not _ignored(_module_of(n), ignore)]
     for n in chosen:
         scheme.check_input_features(ckpt.shape(n)[1], _module_of(n))

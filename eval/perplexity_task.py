@@ -49,3 +49,14 @@ def run_perplexity_task(task: PerplexityTask, logits_fn: LogitsFn, tokenizer, ma
         "context": r.context,
         "stride": r.stride,
     }
+
+
+def check_perplexity_tokens(tokenizer, names: list[str], max_tokens: int) -> None:
+    """Refuse ``--ppl-tokens`` longer than a requested entry's text (rather than silently scoring less)."""
+    from compress.errors import KvslimError
+
+    for name in names:
+        task = PERPLEXITY_TASKS[name]
+        available = tokenize_range(tokenizer, task.text, max_tokens=None).numel()
+        if max_tokens > available:
+            raise KvslimError(f"--ppl-tokens {max_tokens}: {task.text} ({name}) has only {available} tokens")

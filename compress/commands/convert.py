@@ -6,9 +6,12 @@ import argparse
 
 def _layer_list(text: str) -> tuple[int, ...]:
     try:
-        return tuple(int(t) for t in text.split(",") if t.strip())
+        layers = tuple(int(t) for t in text.split(",") if t.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got {text!r}") from None
+        layers = ()
+    if not layers:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got {text!r}")
+    return layers
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -42,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
 
     from attention_variants.convert import ConvertSpec, convert
     from attention_variants.summary import print_summary
+    from compress.errors import KvslimError
     from compress.model_source import resolve_model
 
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 16)))
@@ -56,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
         merge=args.merge,
         calib=args.calib,
     )
+    if args.eval_tokens < 0:
+        raise KvslimError(f"--eval-tokens must be 0 (skip) or positive, got {args.eval_tokens}")
     source = resolve_model(args.model)
     if args.heal_steps is None:
         result = convert(source, spec, args.out, force=args.force)

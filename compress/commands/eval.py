@@ -28,17 +28,28 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def _task_list(raw: list[str] | None) -> list[str] | None:
-    if not raw:
+    if raw is None:
         return None
-    return [t for item in raw for t in item.split(",") if t]
+    tasks = [t.strip() for item in raw for t in item.split(",") if t.strip()]
+    if not tasks:
+        raise KvslimError("--tasks: no task names given")
+    return tasks
 
 
-def _evaluate(model_arg: str, plan, backend: str, use_cache: bool):
+def _checked_checkpoint(model_arg: str):
+    """Resolve ``model_arg`` and open it (truncated files, missing config: one-line errors) before any work."""
+    from compress.checkpoint import Checkpoint
     from compress.model_source import resolve_model
+
+    path = resolve_model(model_arg).resolve()
+    Checkpoint.open(path)
+    return path
+
+
+def _evaluate(ckpt, plan, backend: str, use_cache: bool):
     from eval import results_cache
     from eval.lm_eval_runner import run_eval
 
-    ckpt = resolve_model(model_arg).resolve()
     sha = results_cache.checkpoint_sha256(ckpt)
     path = results_cache.cache_path(sha, backend, plan.settings())
     cached = results_cache.load_cached(path) if use_cache else None
@@ -80,6 +91,7 @@ def print_gates(gates, scheme: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from eval.gates import GateConfig, all_passed, check_gates
     from eval.lm_eval_runner import BACKENDS, EvalPlan
+    from eval.perplexity_task import PERPLEXITY_TASKS, check_perplexity_tokens
 
     if args.backend not in BACKENDS:
         raise KvslimError(f"unknown backend {args.backend!r}; known: {', '.join(BACKENDS)}")
@@ -87,14 +99,23 @@ def run(args: argparse.Namespace) -> int:
         raise KvslimError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.ppl_tokens is not None and args.ppl_tokens < 2:
         raise KvslimError(f"--ppl-tokens must be >= 2, got {args.ppl_tokens}")
-    gate_cfg = GateConfig.load(args.scheme) if args.baseline else None
+    gate_cfg = GateConfig.load(args.scheme)
+    if args.baseline is None and args.scheme != "default":
+        raise KvslimError(f"--scheme {args.scheme} chooses recovery gates: it needs --baseline CKPT")
     plan = EvalPlan.make(_task_list(args.tasks), args.limit, args.ppl_tokens, args.batch_size)
+    ckpt = _checked_checkpoint(args.checkpoint)
+    baseline = _checked_checkpoint(args.baseline) if args.baseline is not None else None
+    ppl_names = [t for t in plan.tasks if t in PERPLEXITY_TASKS]
+    if args.ppl_tokens is not None and ppl_names:
+        from transformers import AutoTokenizer
 
-    results, path = _evaluate(args.checkpoint, plan, args.backend, not args.no_cache)
+        check_perplexity_tokens(AutoTokenizer.from_pretrained(str(ckpt)), ppl_names, args.ppl_tokens)
+
+    results, path = _evaluate(ckpt, plan, args.backend, not args.no_cache)
     print_scores(results, path)
-    if args.baseline is None:
+    if baseline is None:
         return 0
-    base, base_path = _evaluate(args.baseline, plan, args.backend, not args.no_cache)
+    base, base_path = _evaluate(baseline, plan, args.backend, not args.no_cache)
     print()
     print_scores(base, base_path)
     print()

@@ -5,6 +5,7 @@ import argparse
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
+    p.usage = "compress generate [options] [CKPT] PROMPT"
     p.add_argument("args", nargs="+", metavar="[CKPT] PROMPT",
                    help="checkpoint directory, .gguf file or known name (default: smollm2), then the prompt")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
@@ -29,6 +30,8 @@ def run(args: argparse.Namespace) -> int:
     if len(args.args) > 2:
         raise KvslimError(f"expected [CKPT] PROMPT, got {len(args.args)} arguments (quote the prompt)")
     checkpoint, prompt = (None, args.args[0]) if len(args.args) == 1 else args.args
+    if checkpoint is None and _names_a_model(prompt):
+        raise KvslimError(f"missing PROMPT after {prompt} (usage: compress generate [CKPT] PROMPT)")
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
@@ -46,6 +49,16 @@ def run(args: argparse.Namespace) -> int:
     if args.stats:
         print(format_stats(llm, len(out.prompt_token_ids), out.outputs[0]))
     return 0
+
+
+def _names_a_model(text: str) -> bool:
+    """A lone argument that is a checkpoint path or model name was meant as CKPT, not as the prompt."""
+    from pathlib import Path
+
+    from compress.model_source import NAMED_MODELS
+
+    path = Path(text).expanduser()
+    return text in NAMED_MODELS or path.is_dir() or (path.is_file() and path.suffix == ".gguf")
 
 
 def format_stats(llm, num_prompt_tokens: int, completion) -> str:

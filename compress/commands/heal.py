@@ -43,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.seq_len < 2 or args.batch_size < 1:
         raise KvslimError("--seq-len must be at least 2 and --batch-size at least 1")
+    if args.eval_tokens < 0:
+        raise KvslimError(f"--eval-tokens must be 0 (skip) or positive, got {args.eval_tokens}")
     teacher = resolve_model(args.teacher)
     result = heal(resolve_model(args.converted), teacher, spec_from_args(args), args.out, force=args.force)
     print(f"healed {args.converted} -> {result.out}: {result.steps} steps, {result.tokens} tokens of {result.data}, "

@@ -32,8 +32,14 @@ def quantized(tmp_path_factory, tiny_checkpoints):
 BAD = {
     "heads_not_dividing": ("llama", ["--kv-heads", "3"], "does not divide"),
     "heads_not_fewer": ("llama", ["--kv-heads", "2"], "conflicts"),
-    "share_zero": ("llama", ["--kv-share", "0"], "between 1 and"),
-    "share_too_many": ("llama", ["--kv-share", "5"], "between 1 and"),
+    "share_zero": ("llama", ["--kv-share", "0"], "between 2"),
+    "share_one": ("llama", ["--kv-share", "1"], "groups of 1 share nothing"),
+    "share_too_many": ("llama", ["--kv-share", "5"], "between 2"),
+    "share_select_without_share": ("llama", ["--mqa", "--kv-share-select", "calib"], "needs --kv-share"),
+    "global_select_without_window": ("llama", ["--mqa", "--global-select", "calib"], "needs --sliding-window"),
+    "calib_unused": ("llama", ["--mqa", "--merge", "mean", "--calib", "wikipedia:calib"], "nothing calibrates"),
+    "empty_global_layers": ("llama", ["--sliding-window", "16", "--global-layers", ","], "layer indices"),
+    "negative_eval_tokens": ("llama", ["--mqa", "--eval-tokens", "-5"], "--eval-tokens"),
     "window_at_context": ("llama", ["--sliding-window", "512", "--global-every", "2"], "below the model's context"),
     "window_without_globals": ("llama", ["--sliding-window", "16"], "exactly one of"),
     "globals_out_of_range": ("llama", ["--sliding-window", "16", "--global-layers", "1,9"], "distinct layers"),
@@ -50,7 +56,10 @@ def test_bad_input_one_line_exit_2_nothing_written(case, tiny_checkpoints, quant
     arch, flags, message = BAD[case]
     src = quantized if arch == "quantized" else tiny_checkpoints[arch]
     out = tmp_path / "out"
-    rc = main(["convert", str(src), *flags, "--eval-tokens", "0", "-o", str(out)])
+    try:
+        rc = main(["convert", str(src), "--eval-tokens", "0", *flags, "-o", str(out)])
+    except SystemExit as e:  # argparse's own refusals
+        rc = e.code
     err = capsys.readouterr().err
     assert rc == 2
     assert message in err and err.count("\n") == 1

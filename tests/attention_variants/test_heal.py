@@ -161,9 +161,10 @@ def test_bad_input(pair, tiny_llama, heal_text, tmp_path, capsys):
         ([str(student), "--teacher", str(teacher), "--steps", "1", "--data", "wikipedia:eval"], "evaluation text"),
         ([str(student), "--teacher", str(teacher), "--steps", "1", "--hidden-weight", "-1"], "--hidden-weight"),
         ([str(student), "--teacher", str(teacher), "--steps", "1", "--lr", "0"], "--lr"),
+        ([str(student), "--teacher", str(teacher), "--steps", "1", "--eval-tokens", "-5"], "--eval-tokens"),
     ]
     for flags, message in cases:
-        assert main(["heal", *flags, "--eval-tokens", "0", "-o", str(out)]) == 2
+        assert main(["heal", "--eval-tokens", "0", *flags, "-o", str(out)]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1
         assert not out.exists()

@@ -182,6 +182,7 @@ def test_conflicting_flags(tiny_llama, tmp_path, capsys):
     (["--w8a8", "--group-size", "64"], "per-channel symmetric"),
     (["--w8a8", "--asymmetric"], "per-channel symmetric"),
     (["--int4", "--ignore", "model.layers.9.mlp.up_proj"], "matches no Linear"),
+    (["--int4", "--ignore", "re:("], "not a valid regular expression"),
 ])
 def test_impossible_options(args, needle, tiny_llama, tmp_path, capsys):
     rc, _, err = run_cli(capsys, "quantize", str(tiny_llama), *args, "-o", str(tmp_path / "o"))

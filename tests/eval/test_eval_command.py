@@ -69,6 +69,11 @@ def test_our_modeling_file_runs_a_tampered_one_is_refused(tiny_with_tokenizer, t
         (["--limit", "0"], "--limit"),
         (["--backend", "vllm"], "unknown backend"),
         (["--baseline", "x", "--scheme", "W3A3"], "no gate for scheme"),
+        (["--scheme", "W3A3"], "no gate for scheme"),
+        (["--scheme", "FP8_DYNAMIC"], "needs --baseline"),
+        (["--tasks", ","], "no task names"),
+        (["--tasks", "arc_easy", "--baseline", "/nonexistent/kvslim-baseline"], "no such file"),
+        (["--tasks", "ppl_wikipedia", "--ppl-tokens", "999999999"], "has only"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(tiny_with_tokenizer, capsys, args, message):
@@ -80,6 +85,15 @@ def test_bad_flags_exit_2_with_one_line(tiny_with_tokenizer, capsys, args, messa
 def test_missing_checkpoint_exit_2(tmp_path, capsys):
     assert main(["eval", str(tmp_path / "nope")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_truncated_checkpoint_exit_2_before_any_work(tiny_with_tokenizer, tmp_path, capsys):
+    bad = shutil.copytree(tiny_with_tokenizer, tmp_path / "bad")
+    weights = next(bad.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-100])
+    assert main(["eval", str(bad), "--tasks", "arc_easy", "--limit", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "truncated" in err and len(err.strip().splitlines()) == 1
 
 
 def _broken_copy(src, out):

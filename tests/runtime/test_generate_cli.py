@@ -51,6 +51,8 @@ def test_cli_generate_with_stats(tiny_with_tokenizer, capsys):
     (["generate", "{ckpt}", ""], "prompt 0 is empty"),
     (["generate", "/no/such/dir", "hi"], "no such file or directory"),
     (["generate", "{ckpt}", "a", "b"], "expected [CKPT] PROMPT"),
+    (["generate", "{ckpt}"], "missing PROMPT after"),
+    (["generate", "smollm2"], "missing PROMPT after smollm2"),
     (["generate", "{ckpt}", "hi", "--top-p", "2"], "top_p must be in (0, 1]"),
     (["generate", "{ckpt}", "hi " * 40, "--max-model-len", "16"], "longer than the context of 16"),
 ])
