@@ -32,6 +32,16 @@ KV_DTYPES: dict[str, torch.dtype] = {
     **QUANT_DTYPES,
 }
 SCALE_BYTES = 4  # fp32 per token and head
+MIB = 1 << 20
+
+
+def available_memory_bytes() -> int | None:
+    """Memory the OS can hand out without swapping (``MemAvailable``); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -142,17 +152,19 @@ class KVCache:
             raise KvslimError("static KV scales requested but no per-layer scales given")
         self.spec = spec
         self.num_blocks = tuple(num_blocks)
-        self.tensors: list[dict[str, torch.Tensor]] = []
-        for grp, n in zip(spec.groups, num_blocks):
-            shape = (len(grp.layers), n, spec.block_size, grp.num_kv_heads, grp.head_dim)
-            t = {
-                "k_cache": torch.zeros(shape, dtype=KV_DTYPES[grp.kv_dtype], device=device),
-                "v_cache": torch.zeros(shape, dtype=KV_DTYPES[grp.kv_dtype], device=device),
-            }
-            if spec.scale_bytes(grp):
-                t["k_scale"] = torch.ones(shape[:-1], dtype=torch.float32, device=device)
-                t["v_scale"] = torch.ones(shape[:-1], dtype=torch.float32, device=device)
-            self.tensors.append(t)
+        # Refuse a budget that cannot fit, rather than die in the allocator (or be OOM-killed
+        # while the zeros are written).
+        nbytes = sum(n * spec.block_bytes(g) for g, n in enumerate(num_blocks))
+        mib = round(nbytes / MIB)
+        avail = available_memory_bytes() if torch.device(device).type == "cpu" else None
+        if avail is not None and nbytes > avail:
+            raise KvslimError(f"a KV cache of {mib} MiB does not fit in memory ({avail // MIB} MiB available)")
+        try:
+            self._allocate(device)
+        except RuntimeError as e:  # torch's allocators: "can't allocate memory" / "Tried to allocate"
+            if "allocate" not in str(e):
+                raise
+            raise KvslimError(f"cannot allocate a KV cache of {mib} MiB on {device}: out of memory") from None
         self.layers: list[LayerCache] = []
         for layer, (g, s) in enumerate(spec.layer_slots):
             t = self.tensors[g]
@@ -165,6 +177,21 @@ class KVCache:
                 k_scale = t["k_scale"][s] if "k_scale" in t else None
                 v_scale = t["v_scale"][s] if "v_scale" in t else None
             self.layers.append(LayerCache(t["k_cache"][s], t["v_cache"][s], k_scale, v_scale))
+
+    def _allocate(self, device: torch.device | str) -> None:
+        """Each group's zeroed K/V (and scale) tensors into ``self.tensors``."""
+        spec = self.spec
+        self.tensors: list[dict[str, torch.Tensor]] = []
+        for grp, n in zip(spec.groups, self.num_blocks):
+            shape = (len(grp.layers), n, spec.block_size, grp.num_kv_heads, grp.head_dim)
+            t = {
+                "k_cache": torch.zeros(shape, dtype=KV_DTYPES[grp.kv_dtype], device=device),
+                "v_cache": torch.zeros(shape, dtype=KV_DTYPES[grp.kv_dtype], device=device),
+            }
+            if spec.scale_bytes(grp):
+                t["k_scale"] = torch.ones(shape[:-1], dtype=torch.float32, device=device)
+                t["v_scale"] = torch.ones(shape[:-1], dtype=torch.float32, device=device)
+            self.tensors.append(t)
 
     def group_nbytes(self, g: int) -> int:
         """Bytes actually allocated for group ``g`` (counted from the tensors)."""

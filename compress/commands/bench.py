@@ -39,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
         raise KvslimError("give --request-rate R or --max-concurrency C (or both)")
     if (args.input_len is None) == (args.dataset is None):
         raise KvslimError("give either --input-len/--output-len or --dataset FILE")
+    if args.dataset is not None and not args.dataset.is_file():
+        raise KvslimError(f"--dataset {args.dataset}: no such file")
     summary = bench_serve(
         args.base_url, args.num_prompts, args.request_rate, args.max_concurrency, args.input_len,
         args.output_len, args.dataset, args.tokenizer, seed=args.seed,

@@ -4,13 +4,15 @@
     compress serve out/smollm2-fp8 --kv-cache-dtype fp8 --api-key "$KEY"
 
 Listens on loopback unless ``--host`` says otherwise. SIGTERM (or Ctrl-C) stops accepting
-connections, lets in-flight requests finish, then stops the engine.
+connections, lets in-flight requests finish, then stops the engine; after SIGTERM the exit code is 0.
 """
 from __future__ import annotations
 
 import argparse
 import ipaddress
 import os
+import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -52,7 +54,48 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse out-of-range numbers: every count, size and port must be positive (``None``: default)."""
+    if not 0 < args.port < 65536:
+        raise KvslimError(f"--port must be in 1..65535, got {args.port}")
+    for name in ("max_num_seqs", "max_model_len", "max_queue", "kv_cache_mib", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise KvslimError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    cpus = os.cpu_count() or 1
+    if args.threads is not None and args.threads > cpus:  # more only slows torch down (or hangs it)
+        raise KvslimError(f"--threads must be at most {cpus} (this machine's CPUs), got {args.threads}")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` for uvicorn to serve, or a one-line error why not.
+
+    Taken before the engine is built, so a port in use or a bad address fails at once."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: no TIME_WAIT refusal
+        sock.bind((host, port))
+        sock.listen()
+    except OSError as e:  # gaierror (unknown or invalid host) included
+        sock.close()
+        raise KvslimError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def run(args: argparse.Namespace) -> int:
+    check_args(args)
+    from compress.model_source import resolve_model
+
+    source = args.checkpoint or DEFAULT_MODEL
+    path = resolve_model(source)
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        raise KvslimError(f"{path}: no tokenizer files; the server needs the model's tokenizer")
+    with bind(args.host, args.port) as sock:
+        return _serve(args, sock, path, source)
+
+
+def _serve(args: argparse.Namespace, sock: socket.socket, path: Path, source: str) -> int:
+    """Build the engine and the app, then serve on ``sock`` until SIGTERM / Ctrl-C."""
     import json
 
     import torch
@@ -67,19 +110,9 @@ def run(args: argparse.Namespace) -> int:
     from runtime.server.engine_adapter import ThreadedEngine
     from runtime.server.metrics import KVFootprint
 
-    if not 0 < args.port < 65536:
-        raise KvslimError(f"--port must be in 1..65535, got {args.port}")
-    for name in ("max_num_seqs", "kv_cache_mib"):
-        if getattr(args, name) < 1:
-            raise KvslimError(f"--{name.replace('_', '-')} must be positive")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
-
-    source = args.checkpoint or DEFAULT_MODEL
-    path = resolve_model(source)
-    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
-        raise KvslimError(f"{path}: no tokenizer files; the server needs the model's tokenizer")
     engine = Engine.from_checkpoint(path, EngineConfig(
         kv_dtype=KV_DTYPES[args.kv_cache_dtype],
         max_num_seqs=args.max_num_seqs,
@@ -98,14 +131,23 @@ def run(args: argparse.Namespace) -> int:
 
     # A known name (smollm2) is the model id; a directory or file is known by its name.
     model_name = args.served_model_name or (path.name if Path(source).exists() else source)
-    max_queue = args.max_queue or 4 * args.max_num_seqs
+    max_queue = args.max_queue if args.max_queue is not None else 4 * args.max_num_seqs
     app = create_app(ThreadedEngine(engine), tokenizer, model_name, footprint, api_key=api_key, max_queue=max_queue)
     if not _is_loopback(args.host):
         sys.stderr.write(f"compress serve: listening on {args.host}, reachable from other machines"
                          f"{'' if api_key else ' WITHOUT an API key'}\n")
+    url_host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address
     sys.stderr.write(
-        f"compress serve: {model_name} ({path}) on http://{args.host}:{args.port}  kv={group.kv_dtype} "
+        f"compress serve: {model_name} ({path}) on http://{url_host}:{args.port}  kv={group.kv_dtype} "
         f"{footprint.bytes_per_token:.0f} B/token (original in bf16: {footprint.original_bytes_per_token:.0f}), "
         f"max_model_len={engine.max_model_len}, max_num_seqs={args.max_num_seqs}, queue={max_queue}\n")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           access_log=False))
+    # uvicorn drains on SIGTERM, then re-raises it into the handler it found (the default one kills
+    # the process: exit 143). This one makes that a no-op, and stops a server not yet serving.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(server, "should_exit", True))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0

@@ -13,7 +13,7 @@ import hmac
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -63,14 +63,35 @@ def _error(status: int, message: str, type_: str, param: str | None = None, code
     return JSONResponse(error_body(message, type_, param, code), status_code=status)
 
 
+def _field_path(loc: tuple, body: Any, missing: bool) -> str | None:
+    """The request field a pydantic error location points at (``messages.0.content``), found by
+    walking the body: parts that are not in it (``constrained-str``, ``function-after[...]``,
+    which pydantic adds for union members) are dropped; a missing field's name is kept."""
+    path, node = [], body
+    for i, part in enumerate(loc):
+        if isinstance(node, dict) and isinstance(part, str) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif not (missing and i == len(loc) - 1 and isinstance(node, dict)):
+            continue
+        path.append(str(part))
+    return ".".join(path) or None
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """(message, param) for the first problem with a request body."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    msg = first.get("msg", "invalid value")
+    kind, loc, ctx = first.get("type"), tuple(first.get("loc", ())), first.get("ctx") or {}
+    if kind == "json_invalid":  # loc is ("body", character offset)
+        return f"invalid JSON body at character {loc[-1]}: {ctx.get('error', 'JSON decode error')}", None
+    param = _field_path(loc[1:] if loc[:1] == ("body",) else loc, exc.body, kind == "missing")
+    msg = str(ctx["error"]) if kind == "value_error" and "error" in ctx else first.get("msg", "invalid value")
+    if param is None and kind in ("model_attributes_type", "dict_type"):
+        msg = "the request body must be a JSON object"
     return (f"{param}: {msg}" if param else msg), param
 
 
@@ -155,9 +176,9 @@ def create_app(
 
     def encode(prompt: str | list[int], add_special_tokens: bool) -> list[int]:
         if isinstance(prompt, list):
-            bad = next((t for t in prompt if t >= vocab_size), None)
+            bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
             if bad is not None:
-                raise Rejection(400, f"token id {bad} is outside the vocabulary (size {vocab_size})",
+                raise Rejection(400, f"token id {bad} is out of range: the vocabulary has ids 0..{vocab_size - 1}",
                                 "invalid_request_error", "invalid_token_id", "prompt")
             return list(prompt)
         return list(tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])

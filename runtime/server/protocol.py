@@ -2,9 +2,10 @@
 
 Requests are validated here; a field outside its range becomes a 400 in OpenAI's error JSON
 ``{"error": {"message", "type", "param", "code"}}``. Only what the engine implements is accepted:
-one choice (``n=1``), no penalties, no ``echo``/``best_of``. Unknown extra fields are ignored, as
-the OpenAI API does. ``ignore_eos`` is vLLM's extension (the load generator uses it to fix output
-lengths).
+one choice (``n=1``), no penalties, no ``echo``/``best_of``. Types are strict, as in the OpenAI API:
+an integer field takes a JSON integer (not ``"5"`` or ``true``), a boolean a JSON boolean. Unknown
+extra fields are ignored, as the OpenAI API does. ``ignore_eos`` and ``top_k`` (-1 or 0: off) are
+vLLM's extensions (the load generator uses ``ignore_eos`` to fix output lengths).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from runtime.sampling import SamplingParams
 
@@ -38,8 +39,12 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return ErrorResponse(error=ErrorDetail(message=message, type=type_, param=param, code=code)).model_dump()
 
 
+# Strict: no "5" -> 5 or true -> 1 coercion; floats still take JSON integers.
+REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = REQUEST_CONFIG
     include_usage: bool = False
 
 
@@ -51,12 +56,13 @@ StopField = Union[Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)],
 class _SamplingFields(BaseModel):
     """Fields common to both endpoints."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = REQUEST_CONFIG
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int | None = Field(default=None, ge=-1)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: StopField = None
     n: Literal[1] = 1
@@ -66,6 +72,23 @@ class _SamplingFields(BaseModel):
     frequency_penalty: Literal[0, 0.0] = 0.0
     user: str | None = None
     ignore_eos: bool = False
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, v: Any) -> Any:
+        """Name the problem (the union's own error says "not a string" for any bad list)."""
+        if v is None:
+            return v
+        strings = [v] if isinstance(v, str) else v
+        if not isinstance(strings, list) or not all(isinstance(s, str) for s in strings):
+            raise ValueError("must be a string or a list of strings")
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(strings)}")
+        if not all(strings):
+            raise ValueError("stop strings must not be empty")
+        if max(map(len, strings), default=0) > MAX_STOP_LEN:
+            raise ValueError(f"stop strings must be at most {MAX_STOP_LEN} characters")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -88,6 +111,7 @@ class _SamplingFields(BaseModel):
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
+            top_k=max(self.top_k or 0, 0),  # -1 (vLLM) and 0 both mean no top-k
             top_p=self.top_p,
             seed=self.seed,
             stop=self.stop or (),
@@ -96,7 +120,7 @@ class _SamplingFields(BaseModel):
         )
 
 
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+TokenIds = Annotated[list[int], Field(min_length=1)]  # the range is checked against the vocabulary
 
 
 class CompletionRequest(_SamplingFields):
@@ -111,6 +135,21 @@ class CompletionRequest(_SamplingFields):
     best_of: Literal[1] | None = None
     suffix: None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, v: Any) -> Any:
+        """Name the problem (the union's own error says "not a string" for any bad list)."""
+        if isinstance(v, list) and len(v) > 1 and all(isinstance(x, (str, list)) for x in v):
+            raise ValueError(f"one prompt per request is supported, got {len(v)}")
+        one = v[0] if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)) else v
+        if isinstance(one, list) and not all(type(t) is int for t in one):  # bool is an int subclass
+            raise ValueError("token ids must be integers")
+        if not isinstance(one, (str, list)):
+            raise ValueError("must be a string, a list of token ids, or a one-element list of either")
+        if not one:
+            raise ValueError("must not be empty")
+        return v
+
     def prompt_value(self) -> str | list[int]:
         p = self.prompt
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
@@ -119,15 +158,24 @@ class CompletionRequest(_SamplingFields):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = REQUEST_CONFIG
     type: Literal["text"]
     text: str
 
 
+def _content_kind(v: Any) -> str | None:
+    """Which member of ``ChatMessage.content`` a value is meant as (errors then name that one)."""
+    return type(v).__name__ if isinstance(v, (str, list)) else None
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = REQUEST_CONFIG
     role: Literal["system", "user", "assistant", "developer"]
-    content: Union[str, Annotated[list[TextPart], Field(min_length=1)]]
+    content: Annotated[
+        Union[Annotated[str, Tag("str")], Annotated[list[TextPart], Field(min_length=1), Tag("list")]],
+        Discriminator(_content_kind, custom_error_type="invalid_content",
+                      custom_error_message="must be a string or a list of text parts"),
+    ]
     name: str | None = None
 
     def text(self) -> str:

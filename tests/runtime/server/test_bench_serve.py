@@ -56,3 +56,7 @@ def test_bench_serve_cli_refuses_bad_arguments(capsys):
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "2",
                  "--max-concurrency", "1"]) == 2  # no prompts source
     assert "error" in capsys.readouterr().err
+    # a missing dataset is named before any server is contacted (port 9 answers nothing)
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "2",
+                 "--max-concurrency", "1", "--dataset", "/nonexistent/prompts.jsonl"]) == 2
+    assert "--dataset /nonexistent/prompts.jsonl: no such file" in capsys.readouterr().err

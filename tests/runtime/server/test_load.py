@@ -171,6 +171,6 @@ def test_full_queue_is_429_and_sigterm_drains_in_flight_requests(small_server):
     deadline = time.monotonic() + 30
     while srv.proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert srv.proc.returncode in (0, -15)  # uvicorn re-raises the SIGTERM it handled, after the drain
+    assert srv.proc.returncode == 0  # a drained SIGTERM is a clean exit
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{srv.base_url}/health", timeout=2)

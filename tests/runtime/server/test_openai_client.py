@@ -60,6 +60,16 @@ def test_seeded_sampling_repeats(client):
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
 
 
+def test_top_k_reaches_the_sampler(client):
+    """top_k=1 samples the most likely token: the greedy text, whatever the temperature."""
+    kw = dict(model=MODEL, prompt="Random words:", max_tokens=8, extra_body={"ignore_eos": True})
+    greedy = client.completions.create(temperature=0, **kw).choices[0].text
+    top1 = client.completions.create(temperature=1.5, seed=7, **{**kw, "extra_body": {"ignore_eos": True, "top_k": 1}})
+    assert top1.choices[0].text == greedy
+    for off in (-1, 0):
+        client.completions.create(temperature=1.0, **{**kw, "extra_body": {"ignore_eos": True, "top_k": off}})
+
+
 def test_stop_string_cuts_the_text(client):
     kw = dict(model=MODEL, prompt="Numbers:", max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
     full = client.completions.create(**kw).choices[0].text
@@ -94,10 +104,14 @@ def test_logprobs_in_both_apis(client):
     (dict(n=2), "n"),
     (dict(logprobs=50), "logprobs"),
     (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
+    (dict(stop=[""]), "stop"),
+    (dict(prompt=[1, -2, 99999999]), "prompt"),
+    (dict(extra_body={"top_k": -5}), "top_k"),
+    (dict(extra_body={"max_tokens": "5"}), "max_tokens"),
 ])
 def test_invalid_parameters_are_400_in_openai_shape(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt="x", **{"max_tokens": 4, **kwargs})
+        client.completions.create(model=MODEL, **{"prompt": "x", "max_tokens": 4, **kwargs})
     body = e.value.body
     assert body["type"] == "invalid_request_error" and body["param"].startswith(param) and body["message"]
 
