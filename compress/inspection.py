@@ -10,7 +10,9 @@ from attention_variants.layout import AttentionLayout
 from compress.architecture import model_type_of
 from compress.checkpoint import Checkpoint
 from compress.errors import KvslimError
+from compress.quant_spec import QuantSpec
 from compress.schemes import QuantScheme, scheme_from_config_group
+from compress.tensor_shapes import ModelShapes, check_checkpoint, no_quantization
 from compress.vllm_compat import KernelVerdict, kernel_verdicts
 
 # safetensors dtype name -> bytes per element
@@ -43,6 +45,7 @@ class Inspection:
     num_params: int
     linears: tuple[QuantizedLinear, ...]
     max_context: int
+    unread: tuple[str, ...] = ()  # tensors the kvslim runtime does not read (e.g. a foreign input_scale)
 
     @property
     def total_bytes(self) -> int:
@@ -68,12 +71,19 @@ def scheme_of_config(config: dict) -> tuple[QuantScheme | None, str | None, tupl
 
 
 def inspect_checkpoint(path: str | Path) -> Inspection:
-    """Read config and safetensors headers (plus the tiny ``weight_shape`` tensors)."""
+    """Read config and safetensors headers (plus the tiny ``weight_shape`` tensors).
+
+    Raises ``CheckpointError`` for a tensor missing, misshapen or of the wrong dtype for what the
+    config declares: inspect is how users check a checkpoint. Tensors the kvslim runtime would not
+    read are listed (``unread``), not refused: other loaders (vLLM) may use them."""
     ckpt = Checkpoint.open(path)
     config = ckpt.config
     model_type = model_type_of(config)
     layout = AttentionLayout.from_config(config)
     scheme, fmt, ignore = scheme_of_config(config)
+    quant = QuantSpec.from_config(config["quantization_config"]) if scheme is not None else None
+    unread = check_checkpoint(ckpt, ModelShapes.from_config(config, layout),
+                              quant.scheme_for if quant else no_quantization, allow_unknown=True)
     by_dtype: Counter[str] = Counter()
     params = 0
     linears: list[QuantizedLinear] = []
@@ -95,6 +105,7 @@ def inspect_checkpoint(path: str | Path) -> Inspection:
     return Inspection(
         Path(path), arch, model_type, layout, bool(config.get("tie_word_embeddings", False)), scheme, fmt,
         ignore, dict(by_dtype), params, tuple(sorted(linears, key=lambda l: _sort_key(l.name))), max_ctx,
+        tuple(unread),
     )
 
 
@@ -158,4 +169,8 @@ def format_inspection(ins: Inspection, per_layer: bool = False) -> str:
         for kernel in sorted({v.kernel for l in ins.linears for v in l.verdicts}):
             ok = sum(1 for l in ins.linears for v in l.verdicts if v.kernel == kernel and v.ok)
             lines.append(f"  {kernel} accepts {ok}/{len(ins.linears)} layers")
+    if ins.unread:
+        more = f" and {len(ins.unread) - 3} more" if len(ins.unread) > 3 else ""
+        lines.append(f"not read by the kvslim runtime (it refuses to load them; other loaders may use them): "
+                     f"{', '.join(ins.unread[:3])}{more}")
     return "\n".join(lines)

@@ -31,6 +31,7 @@ from compress.errors import KvslimError
 from compress.primitives import dequantize_linear
 from compress.schemes import QuantScheme
 from compress.summary import TensorStat, tensor_kind
+from compress.tensor_shapes import ModelShapes, check_checkpoint, no_quantization
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_IGNORE = ("lm_head",)
@@ -108,6 +109,18 @@ def plan_linears(ckpt: Checkpoint, scheme: QuantScheme, ignore: tuple[str, ...])
     return chosen
 
 
+def open_source(source: str | Path) -> Checkpoint:
+    """Open an unquantized source checkpoint whose tensors are all there, typed and shaped as its
+    config implies (extra tensors are copied as they are); raises before any work is done."""
+    ckpt = Checkpoint.open(source)
+    model_type_of(ckpt.config)
+    if ckpt.quantization_config is not None:
+        method = ckpt.quantization_config.get("quant_method", "?")
+        raise KvslimError(f"{ckpt.path} is already quantized ({method}); quantize an unquantized checkpoint")
+    check_checkpoint(ckpt, ModelShapes.from_config(ckpt.config), no_quantization, allow_unknown=True)
+    return ckpt
+
+
 def _layer_of(name: str) -> int | None:
     m = _LAYER.search("." + name)
     return int(m.group(1)) if m else None
@@ -154,11 +167,7 @@ def quantize_checkpoint(
     start = time.perf_counter()
     out = Path(out)
     check_output_dir(out.expanduser().resolve(), force)
-    ckpt = Checkpoint.open(source)
-    model_type_of(ckpt.config)
-    if ckpt.quantization_config is not None:
-        method = ckpt.quantization_config.get("quant_method", "?")
-        raise KvslimError(f"{ckpt.path} is already quantized ({method}); quantize an unquantized checkpoint")
+    ckpt = open_source(source)
     ignore = tuple(dict.fromkeys(ignore))
     targets = set(plan_linears(ckpt, scheme, ignore))
     stats: list[TensorStat] = []

@@ -1,12 +1,14 @@
 """Checkpoint directory -> ``Decoder``: config.json and safetensors only, never code or pickles.
 
+Before anything is built, every tensor the config implies is checked against the safetensors
+headers (``compress.tensor_shapes``: present, dtype, shape, packed layout of the declared scheme),
+so a damaged checkpoint is refused with one line naming the tensor, not on its first forward.
 Each Linear is built from its tensors and the scheme ``quantization_config`` declares for it
 (``runtime.layers.linear.make_linear``). Every tensor of the checkpoint must be used: a leftover
 means the runtime misread the checkpoint, and loading stops with a ``CheckpointError`` naming it.
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Sequence
 
@@ -15,18 +17,13 @@ from torch import nn
 
 from compress.checkpoint import Checkpoint
 from compress.errors import CheckpointError, KvslimError
+from compress.tensor_shapes import ModelShapes, check_tensors, check_understood, expected_tensors
 from runtime.layers.fused_linear import FusedLinear, SeparateLinears, in_features, out_features, stack_linear_tensors
 from runtime.layers.linear import make_linear
 from runtime.models.decoder import Decoder
 from runtime.spec import ModelSpec
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Tensors a checkpoint may carry that the decoder does not need.
-IGNORABLE = (
-    re.compile(r".*\.rotary_emb\.inv_freq$"),
-    re.compile(r".*\.self_attn\.[kv]_scale$"),  # KV-cache scales: read by the cache, not the weights
-)
-_READER_TENSOR = re.compile(r"model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm)\.")
 LINEAR_TENSORS = ("weight", "bias", "weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
 
 
@@ -48,7 +45,12 @@ class CheckpointWeights:
     ) -> None:
         self.ckpt, self.spec, self.dtype, self.use_cpu_kernels = ckpt, spec, dtype, use_cpu_kernels
         self.fuse = fuse
+        self.shapes = ModelShapes.from_config(ckpt.config, spec.attention)
         self.used: set[str] = set()
+
+    def check_tensors(self) -> None:
+        """Every tensor the config and declared schemes imply is there, typed and shaped as they say."""
+        check_tensors(self.ckpt, expected_tensors(self.shapes, self._scheme))
 
     def tensor(self, name: str) -> torch.Tensor:
         if not self.ckpt.has(name):
@@ -100,21 +102,8 @@ class CheckpointWeights:
         fused = make_linear("+".join(names), stacked, schemes[0], self.dtype, self.use_cpu_kernels)
         return FusedLinear(fused, [out_features(p) for p in parts])
 
-    def _unused_by_design(self, name: str) -> bool:
-        """KV-cache scales, a tied model's redundant ``lm_head.weight``, and a KV reader's own
-        k/v projections and k_norm (it uses its source layer's K/V; transformers ignores them too)."""
-        if any(p.match(name) for p in IGNORABLE):
-            return True
-        if name == "lm_head.weight" and self.spec.tie_word_embeddings:
-            return True
-        m = _READER_TENSOR.match(name)
-        return m is not None and self.spec.attention.layers[int(m.group(1))].kv_source != int(m.group(1))
-
     def check_all_used(self) -> None:
-        left = sorted(n for n in self.ckpt.names() if n not in self.used and not self._unused_by_design(n))
-        if left:
-            more = f" and {len(left) - 3} more" if len(left) > 3 else ""
-            raise CheckpointError(f"{self.ckpt.path}: tensors the runtime does not understand: {', '.join(left[:3])}{more}")
+        check_understood(self.ckpt, self.used, self.shapes)
 
 
 def load_model(
@@ -130,6 +119,7 @@ def load_model(
     ckpt = Checkpoint.open(path)
     spec = ModelSpec.from_config(ckpt.config)
     weights = CheckpointWeights(ckpt, spec, resolve_dtype(dtype), use_cpu_kernels, fuse)
+    weights.check_tensors()
     with torch.no_grad():
         model = Decoder(spec, weights, resolve_dtype(dtype))
     weights.check_all_used()

@@ -8,14 +8,14 @@ quantization (``QuantSpec``).
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from attention_variants.layout import FULL, SLIDING, AttentionLayout
 from compress.architecture import model_type_of
 from compress.errors import CheckpointError, KvslimError
-from compress.schemes import QuantScheme, scheme_from_config_group
+from compress.quant_spec import QuantGroup, QuantSpec  # noqa: F401 (QuantGroup: re-exported)
+from compress.tensor_shapes import ModelShapes
 from runtime.attention_backend import AttentionParams
 
 # Activations the MLP supports (HF names).
@@ -38,68 +38,24 @@ class RopeSpec:
         return out
 
 
-@dataclass(frozen=True)
-class QuantGroup:
-    """One ``config_groups`` entry: which Linears it targets and how their weights are stored."""
-
-    targets: tuple[str, ...]
-    scheme: QuantScheme
-
-
-@dataclass(frozen=True)
-class QuantSpec:
-    """The checkpoint's declared compressed-tensors quantization (``quantization_config``)."""
-
-    format: str
-    groups: tuple[QuantGroup, ...]
-    ignore: tuple[str, ...]
-    kv_cache_scheme: tuple[tuple[str, Any], ...] | None = None
-
-    @staticmethod
-    def _matches(pattern: str, name: str) -> bool:
-        if pattern.startswith("re:"):
-            return re.match(pattern[3:], name) is not None
-        return pattern == "Linear" or name == pattern or name.endswith("." + pattern)
-
-    def scheme_for(self, linear_name: str) -> QuantScheme | None:
-        """The scheme of the Linear ``linear_name`` (e.g. ``model.layers.0.mlp.up_proj``), or
-        ``None`` when it is ignored or not targeted (kept in floating point)."""
-        if any(self._matches(p, linear_name) for p in self.ignore):
-            return None
-        for group in self.groups:
-            if any(self._matches(t, linear_name) for t in group.targets):
-                return group.scheme
-        return None
-
-    @classmethod
-    def from_config(cls, qc: dict) -> "QuantSpec":
-        method = qc.get("quant_method")
-        if method != "compressed-tensors":
-            raise KvslimError(
-                f"quantization_config.quant_method={method!r} is not supported; kvslim serves "
-                "compressed-tensors checkpoints (compress quantize writes them)"
-            )
-        groups = []
-        for name, group in (qc.get("config_groups") or {}).items():
-            if group.get("output_activations"):
-                raise KvslimError(f"quantization group {name}: output activation quantization is not supported")
-            acts = group.get("input_activations")
-            if acts and not acts.get("dynamic", False):
-                raise KvslimError(f"quantization group {name}: static activation scales are not supported")
-            if acts and ((acts.get("type"), acts.get("strategy")) not in (("float", "token"), ("int", "token"))
-                         or int(acts.get("num_bits", 0)) != 8):
-                raise KvslimError(f"quantization group {name}: only dynamic per-token FP8 or INT8 activations are supported")
-            targets = tuple(group.get("targets") or ())
-            if not targets:
-                raise KvslimError(f"quantization group {name} has no targets")
-            groups.append(QuantGroup(targets, scheme_from_config_group(group)))
-        kv = qc.get("kv_cache_scheme")
-        return cls(
-            format=str(qc.get("format")),
-            groups=tuple(groups),
-            ignore=tuple(qc.get("ignore") or ()),
-            kv_cache_scheme=tuple(sorted(kv.items())) if kv else None,
+def servable_quant_spec(qc: dict) -> QuantSpec:
+    """``QuantSpec`` of a ``quantization_config`` the runtime can serve; raise ``KvslimError`` otherwise."""
+    method = qc.get("quant_method")
+    if method != "compressed-tensors":
+        raise KvslimError(
+            f"quantization_config.quant_method={method!r} is not supported; kvslim serves "
+            "compressed-tensors checkpoints (compress quantize writes them)"
         )
+    for name, group in (qc.get("config_groups") or {}).items():
+        if group.get("output_activations"):
+            raise KvslimError(f"quantization group {name}: output activation quantization is not supported")
+        acts = group.get("input_activations")
+        if acts and not acts.get("dynamic", False):
+            raise KvslimError(f"quantization group {name}: static activation scales are not supported")
+        if acts and ((acts.get("type"), acts.get("strategy")) not in (("float", "token"), ("int", "token"))
+                     or int(acts.get("num_bits", 0)) != 8):
+            raise KvslimError(f"quantization group {name}: only dynamic per-token FP8 or INT8 activations are supported")
+    return QuantSpec.from_config(qc)
 
 
 @dataclass(frozen=True)
@@ -157,7 +113,8 @@ class ModelSpec:
             raise KvslimError("bidirectional attention (use_bidirectional_attention) is not supported")
         try:
             layout = AttentionLayout.from_config(config)
-            hidden = int(config["hidden_size"])
+            shapes = ModelShapes.from_config(config, layout)
+            hidden = shapes.hidden_size
             act = config.get("hidden_activation") if gemma else config.get("hidden_act", "silu")
             if act not in ACTIVATIONS:
                 raise KvslimError(f"activation {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
@@ -165,34 +122,33 @@ class ModelSpec:
                 raise KvslimError(
                     f"num_attention_heads={layout.num_heads} is not a multiple of num_key_value_heads={layout.num_kv_heads}"
                 )
-            attention_bias = bool(config.get("attention_bias", False))
             eos = config.get("eos_token_id")
             eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
             qc = config.get("quantization_config")
             scale_base = float(config.get("query_pre_attn_scalar") or layout.head_dim) if gemma else float(layout.head_dim)
             return cls(
                 model_type=model_type,
-                vocab_size=int(config["vocab_size"]),
+                vocab_size=shapes.vocab_size,
                 hidden_size=hidden,
-                intermediate_size=int(config["intermediate_size"]),
+                intermediate_size=shapes.intermediate_size,
                 attention=layout,
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
                 hidden_act=str(act),
                 max_position_embeddings=int(config.get("max_position_embeddings") or 2048),
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", gemma)),
-                qkv_bias=True if model_type == "qwen2" else attention_bias and model_type != "mistral",
-                o_bias=attention_bias and model_type in ("llama", "qwen3", "gemma3_text"),
-                mlp_bias=bool(config.get("mlp_bias", False)) and model_type == "llama",
-                qk_norm=model_type in ("qwen3", "gemma3_text"),
+                tie_word_embeddings=shapes.tie_word_embeddings,
+                qkv_bias=shapes.qkv_bias,
+                o_bias=shapes.o_bias,
+                mlp_bias=shapes.mlp_bias,
+                qk_norm=shapes.qk_norm,
                 norm_offset=1.0 if gemma else 0.0,
                 embed_scale=hidden**0.5 if gemma else None,
-                sandwich_norm=gemma,
+                sandwich_norm=shapes.sandwich_norm,
                 attn_scale=scale_base**-0.5,
                 rope=_rope_per_layer(config, model_type),
                 # transformers' Gemma 3 attention ignores attn_logit_softcapping; so does the runtime.
                 attn_logit_softcap=None,
                 final_logit_softcap=_opt_float(config.get("final_logit_softcapping")) if gemma else None,
-                quant=QuantSpec.from_config(qc) if qc else None,
+                quant=servable_quant_spec(qc) if qc else None,
                 bos_token_id=config.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )

@@ -66,3 +66,17 @@ def make_tiny_checkpoint(
         for f in Path(tokenizer_from).glob("tokenizer*"):
             shutil.copy2(f, out / f.name)
     return out
+
+
+def damaged_copy(
+    src: Path, dst: Path, drop: tuple[str, ...] = (), put: dict[str, torch.Tensor] | None = None
+) -> Path:
+    """Copy checkpoint ``src`` (one ``model.safetensors``) to ``dst`` without the tensors ``drop``
+    and with ``put``'s tensors added or replacing theirs."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = {k: v for k, v in load_file(dst / "model.safetensors").items() if k not in drop}
+    weights.update(put or {})
+    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return Path(dst)

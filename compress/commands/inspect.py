@@ -1,4 +1,8 @@
-"""`compress inspect CKPT`: architecture, attention layout, scheme, bytes, KV per token, vLLM fit."""
+"""`compress inspect CKPT`: architecture, attention layout, scheme, bytes, KV per token, vLLM fit.
+
+A checkpoint whose tensors do not match its config (missing, misshapen, wrong dtype) is refused
+with one line naming the tensor (``compress.tensor_shapes``); tensors the kvslim runtime would not
+read are listed in the report."""
 from __future__ import annotations
 
 import argparse

@@ -58,12 +58,13 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from compress.model_source import resolve_model
-    from compress.quantize import DEFAULT_IGNORE, quantize_checkpoint
+    from compress.quantize import DEFAULT_IGNORE, open_source, quantize_checkpoint
     from compress.schemes import default_scheme
     from compress.summary import quantize_table, totals
 
     scheme = default_scheme(args.kind).with_options(group_size=args.group_size, symmetric=args.symmetric)
     source = resolve_model(args.model)
+    open_source(source)  # a damaged source is refused before calibration or any output
     ignore = tuple(args.ignore) if args.ignore else DEFAULT_IGNORE
     quantizer, kv_cache_scheme, calib_note, act_order, calib_ids = _calibrated(args, scheme, source)
     if act_order:

@@ -146,7 +146,7 @@ def test_checkpoints_it_cannot_serve(tiny_checkpoints, tmp_path):
         LLM(_with_extra(src, tmp_path / "c", "model.layers.0.mlp.up_proj.bias", torch.zeros(256)))
     with pytest.raises(CheckpointError, match="does not understand: model.extra.weight"):
         LLM(_with_extra(src, tmp_path / "d", "model.extra.weight", torch.zeros(3)))
-    with pytest.raises(CheckpointError, match="expected a floating-point weight"):
+    with pytest.raises(CheckpointError, match="up_proj.weight has dtype I8, expected a floating-point dtype"):
         LLM(_with_extra(src, tmp_path / "e", "model.layers.0.mlp.up_proj.weight", torch.zeros(256, 128, dtype=torch.int8)))
 
 
