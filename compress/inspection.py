@@ -83,7 +83,7 @@ def inspect_checkpoint(path: str | Path) -> Inspection:
     scheme, fmt, ignore = scheme_of_config(config)
     quant = QuantSpec.from_config(config["quantization_config"]) if scheme is not None else None
     unread = check_checkpoint(ckpt, ModelShapes.from_config(config, layout),
-                              quant.scheme_for if quant else no_quantization, allow_unknown=True)
+                              quant.scheme_for if quant else no_quantization)
     by_dtype: Counter[str] = Counter()
     params = 0
     linears: list[QuantizedLinear] = []

@@ -117,7 +117,7 @@ def open_source(source: str | Path) -> Checkpoint:
     if ckpt.quantization_config is not None:
         method = ckpt.quantization_config.get("quant_method", "?")
         raise KvslimError(f"{ckpt.path} is already quantized ({method}); quantize an unquantized checkpoint")
-    check_checkpoint(ckpt, ModelShapes.from_config(ckpt.config), no_quantization, allow_unknown=True)
+    check_checkpoint(ckpt, ModelShapes.from_config(ckpt.config), no_quantization)  # extras are copied
     return ckpt
 
 

@@ -260,14 +260,9 @@ def check_understood(ckpt: Checkpoint, understood: Container[str], shapes: Model
         raise CheckpointError(f"{ckpt.path}: tensors the runtime does not understand: {', '.join(left[:3])}{more}")
 
 
-def check_checkpoint(
-    ckpt: Checkpoint, shapes: ModelShapes, scheme_for: SchemeFor, allow_unknown: bool = False
-) -> list[str]:
-    """Every tensor the config implies is there with its dtype and shape; unless
-    ``allow_unknown``, no tensor the runtime would not understand either. Returns the tensors
-    the runtime would not understand (empty unless ``allow_unknown``)."""
+def check_checkpoint(ckpt: Checkpoint, shapes: ModelShapes, scheme_for: SchemeFor) -> list[str]:
+    """Raise unless every tensor the config implies is there with its dtype and shape; return the
+    checkpoint's other tensors that the runtime would not understand (the caller decides)."""
     rules = expected_tensors(shapes, scheme_for)
     check_tensors(ckpt, rules)
-    if not allow_unknown:
-        check_understood(ckpt, rules, shapes)
     return not_understood(ckpt, rules, shapes)

@@ -34,7 +34,7 @@ def test_dense_table_is_exactly_what_transformers_saves(arch, tiny_checkpoints):
     assert required(rules) == set(ckpt.names())
     assert all(ckpt.shape(n) == r.shape for n, r in rules.items())
     assert ("lm_head.weight" in rules) == (arch != "gemma3_text")  # the tiny Gemma is tied
-    check_checkpoint(ckpt, shapes, scheme_for)
+    assert check_checkpoint(ckpt, shapes, scheme_for) == []  # nothing unread either
 
 
 @pytest.mark.parametrize("scheme", [default_scheme("int4"), W4A16, W4A16_ASYM, W8A16, FP8_DYNAMIC, FP8_W8A16, W8A8],
@@ -47,7 +47,7 @@ def test_quantized_table_is_exactly_what_quantize_writes(scheme, ignore, tiny_ch
     rules = expected_tensors(shapes, scheme_for)
     assert required(rules) == set(ckpt.names())
     assert ("lm_head.weight_scale" in rules) == (not ignore)
-    check_checkpoint(ckpt, shapes, scheme_for)
+    assert check_checkpoint(ckpt, shapes, scheme_for) == []  # nothing unread either
 
 
 def test_kv_sharing_readers_have_no_kv_tensors(tiny_checkpoints, tmp_path):
@@ -60,7 +60,7 @@ def test_kv_sharing_readers_have_no_kv_tensors(tiny_checkpoints, tmp_path):
     assert "model.layers.1.self_attn.k_proj.weight" not in rules
     assert "model.layers.1.self_attn.k_norm.weight" not in rules
     assert rules["model.layers.0.self_attn.k_proj.weight"].shape == (32, 128)  # MQA: one KV head
-    check_checkpoint(ckpt, shapes, scheme_for)
+    assert check_checkpoint(ckpt, shapes, scheme_for) == []  # nothing unread either
 
 
 def test_every_problem_is_counted_and_the_first_named(tiny_checkpoints, tmp_path):
