@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from runtime.sampling import SamplingParams
 
@@ -43,6 +43,15 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True)
 
 
+def _only(supported: Any) -> AfterValidator:
+    """A field typed strictly (``true`` is not 1) that admits one value, as this server implements it."""
+    def check(v: Any) -> Any:
+        if v != supported:
+            raise ValueError(f"only {json.dumps(supported)} is supported")
+        return v
+    return AfterValidator(check)
+
+
 class StreamOptions(BaseModel):
     model_config = REQUEST_CONFIG
     include_usage: bool = False
@@ -65,11 +74,11 @@ class _SamplingFields(BaseModel):
     top_k: int | None = Field(default=None, ge=-1)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: StopField = None
-    n: Literal[1] = 1
+    n: Annotated[int, _only(1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: Literal[0, 0.0] = 0.0
-    frequency_penalty: Literal[0, 0.0] = 0.0
+    presence_penalty: Annotated[float, _only(0)] = 0.0
+    frequency_penalty: Annotated[float, _only(0)] = 0.0
     user: str | None = None
     ignore_eos: bool = False
 
@@ -131,8 +140,8 @@ class CompletionRequest(_SamplingFields):
                   Annotated[list[TokenIds], Field(min_length=1, max_length=1)]]
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
-    echo: Literal[False] = False
-    best_of: Literal[1] | None = None
+    echo: Annotated[bool, _only(False)] = False
+    best_of: Annotated[int, _only(1)] | None = None
     suffix: None = None
 
     @field_validator("prompt", mode="before")

@@ -138,6 +138,8 @@ def test_top_k_minus_one_and_zero_disable_it(client, engine, top_k, expected):
     ("max_tokens", "5"), ("max_tokens", True), ("max_tokens", 2.0),
     ("stream", "yes"), ("stream", 1), ("ignore_eos", "true"),
     ("seed", "1"), ("logprobs", True), ("temperature", "1"), ("temperature", True),
+    ("n", True), ("n", 1.0), ("n", 2), ("best_of", True), ("echo", 0), ("echo", True),
+    ("presence_penalty", False), ("frequency_penalty", 0.5),
 ])
 def test_types_are_strict(client, field, value):
     err = _error(client, "/v1/completions", {"prompt": "x", field: value})
@@ -150,5 +152,6 @@ def test_chat_types_are_strict(client, field, value):
 
 
 def test_numbers_take_json_integers_and_unknown_fields_pass(client):
-    body = {"prompt": "x", "max_tokens": 2, "temperature": 1, "top_p": 1, "tools": [{"type": "function"}]}
+    body = {"prompt": "x", "max_tokens": 2, "temperature": 1, "top_p": 1, "tools": [{"type": "function"}],
+            "n": 1, "best_of": 1, "echo": False, "presence_penalty": 0, "frequency_penalty": 0.0}
     assert client.post("/v1/completions", json=body).status_code == 200
