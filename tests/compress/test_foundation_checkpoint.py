@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,3 +92,35 @@ def test_atomic_output_dir_cleans_up_and_refuses_overwrite(tmp_path):
         (tmp / "y").write_text("new")
     assert sorted(p.name for p in out.iterdir()) == ["y"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def _writer_in_progress(out):
+    """A process inside ``atomic_output_dir(out)``, holding its temp dir, until killed."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time; from compress.atomic import atomic_output_dir\n"
+            "with atomic_output_dir(sys.argv[1]) as tmp:\n"
+            "    (tmp / 'part').write_text('x'); print(tmp, flush=True); time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True)
+    return proc, Path(proc.stdout.readline().strip())
+
+
+def test_a_killed_writers_temp_dir_is_swept_by_the_next_write(tmp_path):
+    import signal
+
+    out = tmp_path / "out"
+    killed, killed_tmp = _writer_in_progress(out)
+    running, running_tmp = _writer_in_progress(out)
+    try:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+        assert killed_tmp.is_dir()  # SIGKILL cannot clean up
+        with atomic_output_dir(out) as tmp:
+            (tmp / "x").write_text("done")
+        assert not killed_tmp.exists()
+        assert running_tmp.is_dir()  # another process's write in progress is left alone
+    finally:
+        running.kill()
+        running.wait()
+    assert (out / "x").read_text() == "done"
