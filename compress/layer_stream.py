@@ -317,6 +317,33 @@ class LayerStream:
         self.next_layer = i + 1
 
     @torch.no_grad()
+    def input_maxima(self, i: int) -> dict[str, torch.Tensor]:
+        """Run layer ``i`` (its own weights) like ``advance`` and return every Linear's per-input-
+        channel ``max |x|`` (fp32) over the calibration tokens: ``{module: [in_features]}``."""
+        self._check(i)
+        layer = self.stack.load_layer(i, {})
+        prefix = self.stack.layer_prefix(i)
+        maxima: dict[str, torch.Tensor] = {}
+
+        def hook(name: str) -> Callable:
+            def record(module, inputs) -> None:
+                m = inputs[0].detach().abs().flatten(0, -2).amax(0).float()
+                maxima[name] = torch.maximum(maxima[name], m) if name in maxima else m
+            return record
+
+        handles = [m.register_forward_pre_hook(hook(f"{prefix}.{n}"))
+                   for n, m in layer.named_modules() if isinstance(m, nn.Linear)]
+        try:
+            for batch in self.batches:
+                batch.hidden = self._run(i, layer, batch)
+        finally:
+            for h in handles:
+                h.remove()
+        self.stack.unload_layer(i, layer)
+        self.next_layer = i + 1
+        return maxima
+
+    @torch.no_grad()
     def final_hidden(self) -> list[torch.Tensor]:
         """The final norm of the last layer's outputs (the inputs of ``lm_head``)."""
         if self.next_layer != self.stack.num_layers:
@@ -457,14 +484,14 @@ def calibrated_quantizer(
 
 
 def windows_quantizer(
-    source: str | Path, method: str, ids: torch.Tensor, options=None, kv_cache_fp8: bool = False,
+    source: str | Path | Checkpoint, method: str, ids: torch.Tensor, options=None, kv_cache_fp8: bool = False,
     batch_tokens: int = 2048, activations: ActivationQuant | None = None,
 ) -> SequentialQuantizer:
     """``calibrated_quantizer`` on token windows ``ids [num_samples, seq_len]`` already cut."""
     from compress.calibration import check_ids_in_vocab
     from compress.kv_scales import KVScaleObserver
 
-    ckpt = Checkpoint.open(source)
+    ckpt = source if isinstance(source, Checkpoint) else Checkpoint.open(source)
     check_ids_in_vocab(ids, ckpt.config, ckpt.path)
     stream = LayerStream(LazyDecoderStack(ckpt), ids, batch_tokens=batch_tokens,
                          activations=activation_fake_quantizer(activations))

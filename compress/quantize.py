@@ -109,10 +109,11 @@ def plan_linears(ckpt: Checkpoint, scheme: QuantScheme, ignore: tuple[str, ...])
     return chosen
 
 
-def open_source(source: str | Path) -> Checkpoint:
+def open_source(source: str | Path | Checkpoint) -> Checkpoint:
     """Open an unquantized source checkpoint whose tensors are all there, typed and shaped as its
-    config implies (extra tensors are copied as they are); raises before any work is done."""
-    ckpt = Checkpoint.open(source)
+    config implies (extra tensors are copied as they are); raises before any work is done. An
+    already open ``Checkpoint`` (e.g. a ``SmoothedCheckpoint``) is checked and read as it is."""
+    ckpt = source if isinstance(source, Checkpoint) else Checkpoint.open(source)
     model_type_of(ckpt.config)
     if ckpt.quantization_config is not None:
         method = ckpt.quantization_config.get("quant_method", "?")
@@ -146,7 +147,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 @torch.no_grad()
 def quantize_checkpoint(
-    source: str | Path,
+    source: str | Path | Checkpoint,
     out: str | Path,
     scheme: QuantScheme,
     ignore: tuple[str, ...] = DEFAULT_IGNORE,

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from compress.smoothing_spec import DEFAULT_ALPHA
+
 
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="checkpoint directory, .gguf file, or a known name (smollm2, gemma3-270m)")
@@ -47,6 +49,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="after quantizing, tune every scale end to end for S steps (KL to the original's "
                         "logits on the calibration windows, 4 windows a step); weight-only schemes; holds "
                         "the model in memory twice")
+    p.add_argument("--smooth", type=float, nargs="?", const=DEFAULT_ALPHA, default=None, metavar="ALPHA",
+                   help="--w8a8 / --fp8: SmoothQuant first, moving activation outliers into the weights "
+                        f"(migration strength ALPHA in (0, 1], default {DEFAULT_ALPHA}); calibrates on --calib")
     p.add_argument("--kv-cache-fp8", action="store_true",
                    help="calibrate per-layer FP8 k_scale/v_scale and declare kv_cache_scheme")
     p.add_argument("-o", "--output", required=True, help="output checkpoint directory")
@@ -64,15 +69,17 @@ def run(args: argparse.Namespace) -> int:
 
     scheme = default_scheme(args.kind).with_options(group_size=args.group_size, symmetric=args.symmetric)
     source = resolve_model(args.model)
-    open_source(source)  # a damaged source is refused before calibration or any output
+    checkpoint = open_source(source)  # a damaged source is refused before calibration or any output
     ignore = tuple(args.ignore) if args.ignore else DEFAULT_IGNORE
-    quantizer, kv_cache_scheme, calib_note, act_order, calib_ids = _calibrated(args, scheme, source)
+    _check_flags(args, scheme, checkpoint, ignore)
+    smoothed, smooth_note = _smoothed(args, scheme, source, checkpoint)
+    quantizer, kv_cache_scheme, calib_note, act_order, calib_ids = _calibrated(args, scheme, source, smoothed)
     if act_order:
         from compress.algorithms.gptq import with_act_order
 
         scheme = with_act_order(scheme)
     tuning = _scale_tuning(args, scheme, source, calib_ids)
-    result = quantize_checkpoint(source, args.output, scheme, ignore=ignore, quantizer=quantizer,
+    result = quantize_checkpoint(smoothed or source, args.output, scheme, ignore=ignore, quantizer=quantizer,
                                  force=args.force, progress=not args.no_progress,
                                  kv_cache_scheme=kv_cache_scheme,
                                  dtype=None if args.dtype is None else getattr(torch, args.dtype),
@@ -90,34 +97,71 @@ def run(args: argparse.Namespace) -> int:
            else f"keep their source dtype ({', '.join(src_dtypes)}), ")
         + "scales take the weight's dtype."
     )
-    if calib_note:
-        print(calib_note)
+    for note in (smooth_note, calib_note):
+        if note:
+            print(note)
     if tuning:
         print(tuning[1][0])
     print(f"wrote {result.out} in {result.seconds:.1f} s")
     return 0
 
 
-def _calibrated(args: argparse.Namespace, scheme, source):
-    """``(quantizer or None, kv_cache_scheme or None, note, act_order, calibration windows or None)``
-    for --method gptq / --kv-cache-fp8; unset GPTQ flags take ``default_options(scheme)``.
-
-    Every calibration flag is checked here, before anything is computed or written."""
+def _check_flags(args: argparse.Namespace, scheme, checkpoint, ignore) -> None:
+    """Refuse a flag combination that cannot run before any calibration pass or output."""
     from pathlib import Path
 
     from compress.atomic import check_output_dir
     from compress.errors import KvslimError
+    from compress.quantize import plan_linears
+    from compress.smoothing_spec import SmoothingSpec
 
-    calib_flags = [f for f, v in (("--calib", args.calib), ("--num-calib-samples", args.num_calib_samples),
-                                  ("--calib-seq-len", args.calib_seq_len)) if v is not None]
+    check_output_dir(Path(args.output).expanduser().resolve(), args.force)
+    plan_linears(checkpoint, scheme, ignore)
+    if args.smooth is not None:
+        SmoothingSpec(args.smooth).check()
+        if scheme.input_activations is None:
+            raise KvslimError(f"--smooth moves activation outliers into the weights; {scheme.name} keeps "
+                              "activations unquantized (use --w8a8 or --fp8)")
     gptq_flags = [f for f, v in (("--act-order", args.act_order), ("--dampening", args.dampening),
                                  ("--observer", args.observer)) if v is not None]
     if args.method != "gptq" and gptq_flags:
         raise KvslimError(f"{gptq_flags[0]} is a GPTQ option; add --method gptq")
+    calib_flags = [f for f, v in (("--calib", args.calib), ("--num-calib-samples", args.num_calib_samples),
+                                  ("--calib-seq-len", args.calib_seq_len)) if v is not None]
+    calibrates = (args.method == "gptq" or args.kv_cache_fp8 or args.smooth is not None
+                  or args.tune_scales_steps is not None)
+    if calib_flags and not calibrates:
+        raise KvslimError(f"{calib_flags[0]} needs calibration: add --method gptq, --kv-cache-fp8, "
+                          "--smooth or --tune-scales-steps")
+    if calibrates:
+        _calibration_spec(args).check()
+    if args.tune_scales_steps is not None:
+        from compress.scale_tuning import ScaleTuningSpec, check_tunable
+
+        ScaleTuningSpec(args.tune_scales_steps)
+        check_tunable(scheme)
+
+
+def _smoothed(args: argparse.Namespace, scheme, source, checkpoint):
+    """``(SmoothedCheckpoint, note)`` for --smooth (flags checked by ``_check_flags``); else ``(None, "")``."""
+    if args.smooth is None:
+        return None, ""
+    from compress.calibration import calibration_ids
+    from compress.smoothing import smooth_checkpoint
+    from compress.smoothing_spec import SmoothingSpec
+
+    calib = _calibration_spec(args)
+    smoothed, report = smooth_checkpoint(checkpoint, calibration_ids(source, calib), SmoothingSpec(args.smooth))
+    return smoothed, f"smoothing: {report.describe()}, on {calib.describe()}"
+
+
+def _calibrated(args: argparse.Namespace, scheme, source, smoothed=None):
+    """``(quantizer or None, kv_cache_scheme or None, note, act_order, calibration windows or None)``
+    for --method gptq / --kv-cache-fp8; unset GPTQ flags take ``default_options(scheme)``.
+    ``smoothed``: the --smooth'ed source, which GPTQ and the KV scales then calibrate on.
+
+    Flag combinations were checked by ``_check_flags``."""
     if args.method != "gptq" and not args.kv_cache_fp8:
-        if calib_flags and args.tune_scales_steps is None:
-            raise KvslimError(f"{calib_flags[0]} needs calibration: add --method gptq, --kv-cache-fp8 "
-                              "or --tune-scales-steps")
         return None, None, "", False, None
     from dataclasses import replace
 
@@ -132,10 +176,9 @@ def _calibrated(args: argparse.Namespace, scheme, source):
                       act_order=defaults.act_order if args.act_order is None else args.act_order,
                       observer=args.observer or defaults.observer)
     spec = _calibration_spec(args)
-    check_output_dir(Path(args.output).expanduser().resolve(), args.force)
     # The scheme's activation quantization (FP8_DYNAMIC, W8A8) is applied while calibrating, as served.
     ids = calibration_ids(source, spec)
-    quantizer = windows_quantizer(source, args.method, ids, options, kv_cache_fp8=args.kv_cache_fp8,
+    quantizer = windows_quantizer(smoothed or source, args.method, ids, options, kv_cache_fp8=args.kv_cache_fp8,
                                   activations=scheme.input_activations)
     what = ["GPTQ" if args.method == "gptq" else "", "FP8 KV-cache scales" if args.kv_cache_fp8 else ""]
     note = f"calibration ({' + '.join(w for w in what if w)}): {spec.describe()}"
