@@ -117,12 +117,6 @@ class Engine:
         kv_dtype = config.kv_dtype or kv_dtype_default or MODEL_KV_DTYPES[model.dtype]
         static = layer_scales is not None and kv_dtype in QUANT_DTYPES
         self.kv_spec = KVCacheSpec.from_layout(layout, kv_dtype, config.block_size, static_scales=static)
-        if config.max_model_len is not None and config.max_model_len > spec.max_position_embeddings:
-            # vLLM refuses this too: positions past the trained context give garbage, not an error.
-            raise KvslimError(
-                f"max_model_len={config.max_model_len} exceeds the model's context "
-                f"(max_position_embeddings={spec.max_position_embeddings})"
-            )
         self.max_model_len = config.max_model_len or min(spec.max_position_embeddings, 4096)
         num_blocks = self.kv_spec.plan_num_blocks(config.kv_cache_bytes, self.max_model_len)
         chunk = config.max_num_batched_tokens

@@ -90,8 +90,23 @@ def run(args: argparse.Namespace) -> int:
     path = resolve_model(source)
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise KvslimError(f"{path}: no tokenizer files; the server needs the model's tokenizer")
+    positions = _max_positions(path)
+    if args.max_model_len is not None and positions is not None and args.max_model_len > positions:
+        # vLLM refuses this too: positions past the trained context give garbage, not an error.
+        raise KvslimError(f"--max-model-len {args.max_model_len} exceeds the model's context "
+                          f"(max_position_embeddings={positions})")
     with bind(args.host, args.port) as sock:
         return _serve(args, sock, path, source)
+
+
+def _max_positions(path: Path) -> int | None:
+    import json
+
+    try:
+        value = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None  # the loader names a missing or broken config
+    return value if isinstance(value, int) else None
 
 
 def _serve(args: argparse.Namespace, sock: socket.socket, path: Path, source: str) -> int:
