@@ -71,6 +71,17 @@ def smoothing_sites(ckpt: Checkpoint) -> list[Site]:
     return sites
 
 
+def _head_dim(config: dict) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def _sites_or_refuse(ckpt: Checkpoint) -> list[Site]:
+    sites = smoothing_sites(ckpt)
+    if not sites:
+        raise KvslimError(f"{ckpt.path}: no smoothing site found (no norms feeding projections)")
+    return sites
+
+
 def _column_amax(ckpt: Checkpoint, linears: tuple[str, ...]) -> torch.Tensor:
     return torch.stack([ckpt.get(f"{m}.weight").float().abs().amax(0) for m in linears]).amax(0)
 
@@ -91,7 +102,7 @@ def _to_columns(s: torch.Tensor, kv_groups: int, head_dim: int) -> torch.Tensor:
 def smoothing_factors(ckpt: Checkpoint, sites: list[Site], input_amax: dict[str, torch.Tensor],
                       alpha: float) -> dict[Site, torch.Tensor]:
     """``s`` per site (per source channel) from the Linears' input maxima and original weights."""
-    head_dim = ckpt.config.get("head_dim") or ckpt.config["hidden_size"] // ckpt.config["num_attention_heads"]
+    head_dim = _head_dim(ckpt.config)
     factors = {}
     for site in sites:
         missing = [m for m in site.linears if m not in input_amax]
@@ -112,7 +123,7 @@ class SmoothedCheckpoint(Checkpoint):
 
     @classmethod
     def wrap(cls, ckpt: Checkpoint, factors: dict[Site, torch.Tensor]) -> "SmoothedCheckpoint":
-        head_dim = ckpt.config.get("head_dim") or ckpt.config["hidden_size"] // ckpt.config["num_attention_heads"]
+        head_dim = _head_dim(ckpt.config)
         ops: dict[str, list[tuple[str, torch.Tensor]]] = {}
         for site, s in factors.items():
             if site.kind == "rows":
@@ -169,9 +180,7 @@ def smoothed(ckpt: Checkpoint, maxima: dict[str, torch.Tensor],
              spec: SmoothingSpec) -> tuple[SmoothedCheckpoint, SmoothingReport]:
     """``ckpt`` read smoothed with factors from ``maxima`` (``input_maxima``) at ``spec.alpha``."""
     spec.check()
-    sites = smoothing_sites(ckpt)
-    if not sites:
-        raise KvslimError(f"{ckpt.path}: no smoothing site found (no norms feeding projections)")
+    sites = _sites_or_refuse(ckpt)
     factors = smoothing_factors(ckpt, sites, maxima, spec.alpha)
     layers = len({s.source.split(".layers.")[1].split(".")[0] for s in sites})
     return SmoothedCheckpoint.wrap(ckpt, factors), SmoothingReport(spec.alpha, len(sites), layers)
@@ -181,6 +190,5 @@ def smooth_checkpoint(ckpt: Checkpoint, ids: torch.Tensor, spec: SmoothingSpec,
                       batch_tokens: int = 2048) -> tuple[SmoothedCheckpoint, SmoothingReport]:
     """``smoothed`` on the maxima ``ids`` produce (checked before the calibration pass)."""
     spec.check()
-    if not smoothing_sites(ckpt):
-        raise KvslimError(f"{ckpt.path}: no smoothing site found (no norms feeding projections)")
+    _sites_or_refuse(ckpt)
     return smoothed(ckpt, input_maxima(ckpt, ids, batch_tokens), spec)
