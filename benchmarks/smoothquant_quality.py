@@ -25,7 +25,7 @@ ALPHAS = (0.5, 0.65, 0.8, 0.9)
 EVAL_TEXT = "wikipedia:eval"
 
 
-def quantize(src: Path, ckpt, kind: str, method: str, ids: torch.Tensor, out: Path) -> Path:
+def quantize(ckpt, kind: str, method: str, ids: torch.Tensor, out: Path) -> Path:
     from compress.algorithms.gptq import default_options
     from compress.layer_stream import windows_quantizer
     from compress.quantize import quantize_checkpoint
@@ -91,7 +91,7 @@ def main() -> None:
                 dev, evals = {}, {}
                 for alpha in [None, *args.alphas]:
                     source = ckpt if alpha is None else smoothed(ckpt, maxima, SmoothingSpec(alpha))[0]
-                    out = quantize(src, source, kind, method, ids, work / f"{kind}-{method}-{alpha}")
+                    out = quantize(source, kind, method, ids, work / f"{kind}-{method}-{alpha}")
                     model = load(out)
                     dev[alpha] = dev_perplexity(model, dev_ids, dev_name)
                     evals[alpha] = eval_ppl(model)  # recorded for every alpha; the choice reads dev only

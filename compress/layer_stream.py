@@ -74,6 +74,13 @@ class LazyDecoderStack:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.ckpt = ckpt
+        sources = ckpt.config.get("kv_source_layers")
+        if sources is not None and list(sources) != list(range(len(sources))):
+            raise KvslimError(
+                f"{ckpt.path} shares KV across layers (kv_source_layers); calibration (GPTQ, --smooth, "
+                "--kv-cache-fp8) runs transformers' own decoder layers, which cannot: quantize it with RTN, "
+                "or calibrate the unconverted model"
+            )
         config = AutoConfig.from_pretrained(ckpt.path)
         self.dtype = _checkpoint_dtype(ckpt)
         with torch.device("meta"):
@@ -309,10 +316,20 @@ class LayerStream:
 
         ``cache``: an object with transformers' ``Cache.update`` signature, given every layer's
         post-rotary keys and values (the KV-scale observer)."""
+        self._advance(i, overrides, cache)
+
+    def _advance(self, i: int, overrides: dict[str, torch.Tensor], cache=None,
+                 observe: Callable[[nn.Module], list] | None = None) -> None:
+        """``advance``, with ``observe(layer)``'s hook handles in place while the layer runs."""
         self._check(i)
         layer = self.stack.load_layer(i, overrides)
-        for batch in self.batches:
-            batch.hidden = self._run(i, layer, batch, cache)
+        handles = observe(layer) if observe is not None else []
+        try:
+            for batch in self.batches:
+                batch.hidden = self._run(i, layer, batch, cache)
+        finally:
+            for h in handles:
+                h.remove()
         self.stack.unload_layer(i, layer)
         self.next_layer = i + 1
 
@@ -320,27 +337,24 @@ class LayerStream:
     def input_maxima(self, i: int) -> dict[str, torch.Tensor]:
         """Run layer ``i`` (its own weights) like ``advance`` and return every Linear's per-input-
         channel ``max |x|`` (fp32) over the calibration tokens: ``{module: [in_features]}``."""
-        self._check(i)
-        layer = self.stack.load_layer(i, {})
         prefix = self.stack.layer_prefix(i)
         maxima: dict[str, torch.Tensor] = {}
+        last: list = [None, None]  # (input, its maxima): q/k/v and gate/up read one tensor
 
         def hook(name: str) -> Callable:
             def record(module, inputs) -> None:
-                m = inputs[0].detach().abs().flatten(0, -2).amax(0).float()
+                x = inputs[0]
+                if x is not last[0]:
+                    last[:] = [x, x.detach().abs().flatten(0, -2).amax(0).float()]
+                m = last[1]
                 maxima[name] = torch.maximum(maxima[name], m) if name in maxima else m
             return record
 
-        handles = [m.register_forward_pre_hook(hook(f"{prefix}.{n}"))
-                   for n, m in layer.named_modules() if isinstance(m, nn.Linear)]
-        try:
-            for batch in self.batches:
-                batch.hidden = self._run(i, layer, batch)
-        finally:
-            for h in handles:
-                h.remove()
-        self.stack.unload_layer(i, layer)
-        self.next_layer = i + 1
+        def observe(layer: nn.Module) -> list:
+            return [m.register_forward_pre_hook(hook(f"{prefix}.{n}"))
+                    for n, m in layer.named_modules() if isinstance(m, nn.Linear)]
+
+        self._advance(i, {}, observe=observe)
         return maxima
 
     @torch.no_grad()

@@ -132,3 +132,15 @@ def test_cli_bad_smoothing_is_one_line(tiny_with_tokenizer, tmp_path, capsys, ar
 def test_spec_is_checked():
     with pytest.raises(KvslimError, match="migration strength"):
         SmoothingSpec(-0.1).check()
+
+
+@pytest.mark.parametrize("flags", [["--smooth"], ["--method", "gptq"]])
+def test_calibrating_a_kv_shared_checkpoint_is_one_line(tiny_with_tokenizer, tmp_path, capsys, flags):
+    """transformers' own layers cannot run cross-layer KV sharing: calibration says so (it said
+    'missing tensor ...k_proj.weight' of a checkpoint that is whole)."""
+    from attention_variants.convert import ConvertSpec, convert
+
+    shared = convert(tiny_with_tokenizer, ConvertSpec(kv_share=2, merge="mean"), tmp_path / "shared").out
+    err = bad([str(shared), "--w8a8", *flags, "--num-calib-samples", "2", "--calib-seq-len", "32"],
+              tmp_path / "o", capsys)
+    assert "shares KV across layers" in err
