@@ -2,6 +2,8 @@
 
 Logits come from ``Engine.score``: each window runs through the paged cache, so quantized K/V is
 written and read back exactly as when serving. Weights fp32 (the default model's dequantized GGUF).
+``fp8_e4m3`` uses per-token-and-head scales; ``fp8_e4m3:calibrated`` the per-layer static scales
+that ``compress quantize --kv-cache-fp8`` writes, calibrated by the same code on ``--calib``.
 
     python benchmarks/engine_kv_perplexity.py --tokens 4096 --json runs/engine_kv_ppl.json
 """
@@ -19,7 +21,9 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--text", default="wikipedia:eval")
     ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--kv-dtypes", nargs="+", default=["bf16", "fp8_e4m3", "int8"])
+    ap.add_argument("--kv-dtypes", nargs="+", default=["bf16", "fp8_e4m3", "fp8_e4m3:calibrated", "int8"])
+    ap.add_argument("--ctx", type=int, default=512, help="scored window (stride half of it)")
+    ap.add_argument("--calib-samples", type=int, default=64, help="calibration windows of 512 tokens")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -36,19 +40,35 @@ def main() -> int:
     model = load_model(path, "float32")
     results = {}
     for kv in args.kv_dtypes:
-        engine = Engine(model, EngineConfig(kv_dtype=kv, max_num_batched_tokens=512, max_model_len=512,
-                                            kv_cache_bytes=64 << 20))
-        r = perplexity(lambda x: engine.score(x[0])[None], ids, args.text)
+        dtype, _, how = kv.partition(":")
+        scales = calibrated_kv_scales(path, args.calib_samples) if how == "calibrated" else None
+        engine = Engine(model, EngineConfig(kv_dtype=dtype, max_num_batched_tokens=args.ctx, max_model_len=args.ctx + 2,
+                                            kv_cache_bytes=64 << 20), layer_scales=scales)
+        r = perplexity(lambda x: engine.score(x[0])[None], ids, args.text, context=args.ctx, stride=args.ctx // 2)
         results[kv] = r.perplexity
-        print(f"KV {kv:9s}: {r.describe()}", flush=True)
+        print(f"KV {kv:20s}: {r.describe()}", flush=True)
     base = results.get("bf16")
     if base:
         for kv, p in results.items():
-            print(f"KV {kv:9s}: {p:.4f}  ({100 * (p / base - 1):+.2f}% vs bf16 KV)")
+            print(f"KV {kv:20s}: {p:.4f}  ({100 * (p / base - 1):+.2f}% vs bf16 KV)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"text": args.text, "tokens": int(ids.numel()), "perplexity": results}, indent=2))
+        args.json.write_text(json.dumps({"text": args.text, "tokens": int(ids.numel()), "ctx": args.ctx,
+                                         "calibration": f"{args.calib_samples} x 512 tokens of wikipedia:calib",
+                                         "perplexity": results}, indent=2))
     return 0
+
+
+def calibrated_kv_scales(path, num_samples: int) -> dict[int, tuple[float, float]]:
+    """Per-layer ``(k_scale, v_scale)`` exactly as ``compress quantize --kv-cache-fp8`` writes them."""
+    from compress.calibration import CalibrationSpec, calibration_ids
+    from compress.layer_stream import windows_quantizer
+
+    ids = calibration_ids(path, CalibrationSpec(num_samples=num_samples))
+    tensors = windows_quantizer(path, "rtn", ids, kv_cache_fp8=True).finish()
+    layers = sorted({int(n.split(".")[2]) for n in tensors})
+    return {i: (float(tensors[f"model.layers.{i}.self_attn.k_scale"]), float(tensors[f"model.layers.{i}.self_attn.v_scale"]))
+            for i in layers}
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ reference the streaming path is tested against, byte for byte).
 from __future__ import annotations
 
 import copy
+import inspect
 import re
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -179,6 +180,17 @@ class _Recorder(nn.Module):
         return hidden_states
 
 
+def _cache_keyword(layer: nn.Module, recorded: dict) -> str:
+    """The name under which ``layer`` takes its KV cache: ``cache`` (transformers >= 5.2x) or
+    ``past_key_values`` (before). Passing the other name is ignored with a warning by the newer
+    layers' deprecation shim, so the KV-scale observer would see nothing."""
+    for name in ("cache", "past_key_values"):
+        if name in recorded:
+            return name
+    params = inspect.signature(layer.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 @dataclass
 class _Batch:
     hidden: torch.Tensor  # inputs of the current layer [b, seq, hidden]
@@ -292,7 +304,7 @@ class LayerStream:
     def _run(self, i: int, layer: nn.Module, batch: _Batch, cache=None) -> torch.Tensor:
         args, kwargs = batch.layer_args[i]
         if cache is not None:
-            kwargs = dict(kwargs, past_key_values=cache)
+            kwargs = dict(kwargs, **{_cache_keyword(layer, kwargs): cache})
         with LinearInputQuantizer(layer, self.activations) if self.activations is not None else nullcontext():
             out = layer(batch.hidden, *args, **kwargs)
         return out[0] if isinstance(out, tuple) else out
@@ -477,6 +489,13 @@ class SequentialQuantizer:
         if self._layer is not None or self.stream.next_layer < self.stream.stack.num_layers:
             self._advance_to(self.stream.stack.num_layers)
         stack = self.stream.stack
+        unseen = [i for i in range(stack.num_layers) if i not in self.kv_observer.layers()]
+        if unseen:
+            raise KvslimError(
+                f"the KV-scale observer saw no cache write from {len(unseen)} of {stack.num_layers} layers "
+                f"(first: layer {unseen[0]}); this transformers version's decoder layer does not call the cache "
+                "it was given"
+            )
         prefixes = {i: f"{stack.layer_prefix(i)}.self_attn" for i in range(stack.num_layers)}
         return kv_scale_tensors(self.kv_observer, prefixes, stack.dtype)
 

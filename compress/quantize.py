@@ -31,7 +31,7 @@ from compress.errors import KvslimError
 from compress.primitives import dequantize_linear
 from compress.schemes import QuantScheme
 from compress.summary import TensorStat, tensor_kind
-from compress.tensor_shapes import ModelShapes, check_checkpoint, no_quantization
+from compress.tensor_shapes import ModelShapes, check_checkpoint, kv_scale_rules, no_quantization
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_IGNORE = ("lm_head",)
@@ -186,7 +186,9 @@ def quantize_checkpoint(
                 else:
                     writer.add(name, tensor)
                     stats.append(_stat(name, original, _nbytes(tensor), False, None))
-        for name, tensor in quantizer.finish().items():
+        extras = quantizer.finish()
+        _check_kv_scales(ckpt, kv_cache_scheme, extras)
+        for name, tensor in extras.items():
             writer.add(name, tensor)
         writer.close()
         config = dict(ckpt.config)
@@ -200,6 +202,17 @@ def quantize_checkpoint(
             finish(tmp)
     return QuantizeResult(out.expanduser().resolve(), scheme, quantizer.name, ignore, tuple(stats),
                           time.perf_counter() - start)
+
+
+def _check_kv_scales(ckpt: Checkpoint, kv_cache_scheme: dict | None, extras: dict[str, torch.Tensor]) -> None:
+    """Refuse an output that would declare ``kv_cache_scheme`` without the scales it promises."""
+    rules = kv_scale_rules(ModelShapes.from_config(ckpt.config), kv_cache_scheme)
+    missing = [n for n in rules if n not in extras]
+    if missing:
+        raise KvslimError(
+            f"kv_cache_scheme is declared but {len(missing)} of {len(rules)} KV-cache scales were not "
+            f"calibrated (first: {missing[0]}); nothing was written"
+        )
 
 
 def _quantize_one(

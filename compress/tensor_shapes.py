@@ -49,6 +49,11 @@ IGNORABLE = (
 _READER_TENSOR = re.compile(r"model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm)\.")
 
 
+def kv_cache_scheme_of(config: dict) -> dict | None:
+    """``quantization_config.kv_cache_scheme`` of a config.json dict, or None."""
+    return (config.get("quantization_config") or {}).get("kv_cache_scheme")
+
+
 def no_quantization(module: str) -> None:
     """``SchemeFor`` of an unquantized checkpoint: every Linear is floating point."""
     return None
@@ -169,8 +174,22 @@ def linear_rules(linear: LinearShape, scheme: QuantScheme | None) -> dict[str, T
     return rules
 
 
-def expected_tensors(shapes: ModelShapes, scheme_for: SchemeFor) -> dict[str, TensorRule]:
-    """Every tensor the model needs, in model order, given each Linear's declared scheme."""
+def kv_scale_rules(shapes: ModelShapes, kv_cache_scheme: dict | None) -> dict[str, TensorRule]:
+    """The calibrated ``self_attn.k_scale`` / ``v_scale`` of every cache-owning layer, which a
+    static ``quantization_config.kv_cache_scheme`` promises (vLLM reads them; a dynamic scheme
+    or none needs no tensors)."""
+    if not kv_cache_scheme or kv_cache_scheme.get("dynamic", False):
+        return {}
+    return {
+        f"model.layers.{i}.self_attn.{kind}": TensorRule((1,), FLOAT, "calibrated KV-cache scale of kv_cache_scheme")
+        for i in range(shapes.attention.num_layers) if shapes.owns_kv(i) for kind in ("k_scale", "v_scale")
+    }
+
+
+def expected_tensors(shapes: ModelShapes, scheme_for: SchemeFor, kv_cache_scheme: dict | None = None
+                     ) -> dict[str, TensorRule]:
+    """Every tensor the model needs, in model order, given each Linear's declared scheme and the
+    KV-cache scheme (``quantization_config.kv_cache_scheme``)."""
     hidden, head_dim = shapes.hidden_size, shapes.attention.head_dim
     embedding = TensorRule((shapes.vocab_size, hidden), FLOAT, "embedding vocab_size x hidden_size")
     rules = {"model.embed_tokens.weight": embedding}
@@ -191,6 +210,7 @@ def expected_tensors(shapes: ModelShapes, scheme_for: SchemeFor) -> dict[str, Te
     if not shapes.tie_word_embeddings:
         lm_head = LinearShape("lm_head", shapes.vocab_size, hidden, False, "hidden_size -> vocab_size")
         rules.update(linear_rules(lm_head, scheme_for("lm_head")))
+    rules.update(kv_scale_rules(shapes, kv_cache_scheme))
     return rules
 
 
@@ -263,6 +283,6 @@ def check_understood(ckpt: Checkpoint, understood: Container[str], shapes: Model
 def check_checkpoint(ckpt: Checkpoint, shapes: ModelShapes, scheme_for: SchemeFor) -> list[str]:
     """Raise unless every tensor the config implies is there with its dtype and shape; return the
     checkpoint's other tensors that the runtime would not understand (the caller decides)."""
-    rules = expected_tensors(shapes, scheme_for)
+    rules = expected_tensors(shapes, scheme_for, kv_cache_scheme_of(ckpt.config))
     check_tensors(ckpt, rules)
     return not_understood(ckpt, rules, shapes)

@@ -44,7 +44,7 @@ class EngineConfig:
     """Engine knobs. ``kv_dtype``: fp32 | bf16 | fp16 | fp8_e4m3 | int8, or None for the model
     dtype (or the checkpoint's ``kv_cache_scheme``). ``kv_cache_bytes`` sizes the block pools."""
 
-    dtype: str = "float32"
+    dtype: str = "auto"  # activations: auto (runtime.layers.activation_dtype) | float32 | bfloat16 | float16
     kv_dtype: str | None = None
     block_size: int = 16
     kv_cache_bytes: int = 512 * MIB
@@ -115,7 +115,9 @@ class Engine:
         spec = model.spec
         layout: AttentionLayout = spec.attention
         kv_dtype = config.kv_dtype or kv_dtype_default or MODEL_KV_DTYPES[model.dtype]
-        static = layer_scales is not None and kv_dtype in QUANT_DTYPES
+        # Checkpoint scales are calibrated for the checkpoint's own KV dtype (max/448 for FP8,
+        # max/127 for INT8): another quantized dtype chosen at serve time takes per-token scales.
+        static = layer_scales is not None and kv_dtype in QUANT_DTYPES and kv_dtype == (kv_dtype_default or kv_dtype)
         self.kv_spec = KVCacheSpec.from_layout(layout, kv_dtype, config.block_size, static_scales=static)
         self.max_model_len = config.max_model_len or min(spec.max_position_embeddings, 4096)
         num_blocks = self.kv_spec.plan_num_blocks(config.kv_cache_bytes, self.max_model_len)

@@ -10,6 +10,9 @@ Self-contained on purpose (it travels with checkpoints): imports only torch and 
 """
 from __future__ import annotations
 
+import dataclasses
+import inspect
+
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
@@ -22,6 +25,11 @@ from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
+
+# transformers 5.2x renamed the cache argument ``past_key_values`` to ``cache`` (the old name is
+# still accepted, with a warning, by its own modules); this file speaks whichever it finds.
+CACHE_ARG = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+_OUTPUT_CACHE = "cache" if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)} else "past_key_values"
 
 KV_SOURCE_KEY = "kv_source_layers"
 SLIDING = "sliding_attention"
@@ -53,8 +61,9 @@ class KvslimAttentionMixin:
             if self.qk_norm:
                 del self.k_norm
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
-                shared_kv: dict | None = None, **kwargs):
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
+                past_key_values=None, shared_kv: dict | None = None, **kwargs):
+        cache = cache if cache is not None else past_key_values
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query = self.q_proj(hidden_states).view(hidden_shape)
@@ -69,8 +78,8 @@ class KvslimAttentionMixin:
             key = key.transpose(1, 2)
             value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
             query, key = modeling_llama.apply_rotary_pos_emb(query, key, cos, sin)
-            if past_key_values is not None:
-                key, value = past_key_values.update(key, value, self.layer_idx)
+            if cache is not None:
+                key, value = cache.update(key, value, self.layer_idx)
             if shared_kv is not None:
                 shared_kv[self.layer_idx] = (key, value)
         else:
@@ -100,23 +109,24 @@ class KvslimModelMixin:
 
     @merge_with_config_defaults
     @capture_outputs
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, past_key_values=None,
                 inputs_embeds=None, use_cache=None, **kwargs):
+        cache = cache if cache is not None else past_key_values
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
         if position_ids is None:
-            past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past_seen = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen
             position_ids = position_ids.unsqueeze(0)
         types = _layer_types(self.config)
         masks = attention_mask
         if not isinstance(masks, dict):
             mask_kwargs = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                               past_key_values=past_key_values, position_ids=position_ids)
+                               position_ids=position_ids, **{CACHE_ARG: cache})
             masks = {FULL: create_causal_mask(**mask_kwargs)}
             if SLIDING in types:
                 masks[SLIDING] = create_sliding_window_causal_mask(**mask_kwargs)
@@ -125,10 +135,10 @@ class KvslimModelMixin:
         shared_kv: dict = {}
         for i, layer in enumerate(self.layers[: self.config.num_hidden_layers]):
             hidden = layer(hidden, attention_mask=masks[types[i]], position_embeddings=position_embeddings,
-                           position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
-                           shared_kv=shared_kv, **kwargs)
+                           position_ids=position_ids, use_cache=use_cache, shared_kv=shared_kv,
+                           **{CACHE_ARG: cache}, **kwargs)
         hidden = self.norm(hidden)
-        return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values if use_cache else None)
+        return BaseModelOutputWithPast(last_hidden_state=hidden, **{_OUTPUT_CACHE: cache if use_cache else None})
 
 
 class KvslimLlamaAttention(KvslimAttentionMixin, modeling_llama.LlamaAttention):

@@ -95,3 +95,25 @@ def test_static_checkpoint_scales_sized_as_the_engine_allocates(tiny_llama, tmp_
     assert engine.kv_spec.static_scales
     slot_bytes = engine.cache.group_nbytes(0) / (engine.cache.num_blocks[0] * bs)
     assert slot_bytes == pytest.approx(static.counted_bytes_per_token)  # one full-attention group
+
+
+def test_fp8_calibrated_scales_are_not_reused_for_an_int8_cache(tiny_llama, tmp_path):
+    """Scales calibrated as max/448 for an FP8 cache would clip an INT8 cache at 127/448 of the
+    range: another quantized KV dtype chosen at serve time takes per-token scales instead."""
+    from compress.checkpoint import Checkpoint
+    from compress.kv_scales import KV_CACHE_SCHEME, KVScaleObserver
+    from compress.layer_stream import LayerStream, LazyDecoderStack, SequentialQuantizer
+    from compress.quantize import quantize_checkpoint
+    from compress.schemes import FP8_W8A16
+    from runtime.engine import Engine, EngineConfig
+    from tests.compress.calib_tokens import zipf_ids
+
+    stream = LayerStream(LazyDecoderStack(Checkpoint.open(tiny_llama)), zipf_ids(2, 16, seed=3))
+    quantizer = SequentialQuantizer(stream, "rtn", kv_observer=KVScaleObserver())
+    out = quantize_checkpoint(tiny_llama, tmp_path / "kv", FP8_W8A16, quantizer=quantizer, progress=False,
+                              kv_cache_scheme=KV_CACHE_SCHEME).out
+    small = dict(kv_cache_bytes=2 << 20, max_model_len=64, block_size=4)
+    served = Engine.from_checkpoint(out, EngineConfig(**small))
+    assert served.kv_spec.groups[0].kv_dtype == "fp8_e4m3" and served.kv_spec.static_scales
+    int8 = Engine.from_checkpoint(out, EngineConfig(kv_dtype="int8", **small))
+    assert not int8.kv_spec.static_scales
