@@ -34,7 +34,7 @@ MIB = 1 << 20
 
 
 class KvslimLM(TemplateLM):
-    """``pretrained``: checkpoint dir or model name; ``dtype``: activations (float32 / bfloat16);
+    """``pretrained``: checkpoint dir or model name; ``dtype``: activations (auto / float32 / bfloat16);
     ``kv_cache_dtype``: auto (the checkpoint's kv_cache_scheme, else the model dtype) | fp32 | bf16
     | fp16 | fp8 | int8; ``max_length``: longest scored window (default: the model's
     max_position_embeddings, capped at 4096 as the engine's max_model_len); ``batch_size``: requests
@@ -43,7 +43,7 @@ class KvslimLM(TemplateLM):
     def __init__(
         self,
         pretrained: str | Path = "smollm2",
-        dtype: str = "float32",
+        dtype: str = "auto",
         kv_cache_dtype: str = "auto",
         max_length: int | None = None,
         batch_size: int | str = 8,

@@ -108,17 +108,19 @@ def hf_eval_model(model, tokenizer, batch_size: int) -> EvalModel:
     return EvalModel(lm=lm, logits_fn=hf_logits_fn(model), tokenizer=tokenizer)
 
 
-def load_kvslim(ckpt: Path, batch_size: int) -> EvalModel:
-    """lm-eval model ``kvslim``: kvslim's paged-KV engine, quantized weights and KV cache as served."""
+def load_kvslim(ckpt: Path, plan: "EvalPlan") -> EvalModel:
+    """lm-eval model ``kvslim``: kvslim's paged-KV engine, quantized weights and KV cache as served,
+    activations in ``plan.dtype``."""
     from eval.lm_eval_adapter import KvslimLM, register
 
     register()
-    lm = KvslimLM(pretrained=str(ckpt), batch_size=batch_size)
+    lm = KvslimLM(pretrained=str(ckpt), batch_size=plan.batch_size, dtype=plan.dtype)
     return EvalModel(lm=lm, logits_fn=lm.logits_fn, tokenizer=lm.tokenizer)
 
 
 # backend name -> loader.
-BACKENDS: dict[str, Callable[[Path, int], EvalModel]] = {"hf": load_hf, "kvslim": load_kvslim}
+BACKENDS: dict[str, Callable[[Path, "EvalPlan"], EvalModel]] = {
+    "hf": lambda ckpt, plan: load_hf(ckpt, plan.batch_size), "kvslim": load_kvslim}
 
 
 @dataclass(frozen=True)
@@ -129,9 +131,11 @@ class EvalPlan:
     limits: dict[str, int]
     perplexity_tokens: int = PERPLEXITY_TOKENS
     batch_size: int = DEFAULT_BATCH_SIZE
+    dtype: str = "auto"  # the kvslim backend's activations (the hf backend runs float32)
 
     @classmethod
-    def make(cls, tasks: list[str] | None, limit: int | None, perplexity_tokens: int | None, batch_size: int) -> "EvalPlan":
+    def make(cls, tasks: list[str] | None, limit: int | None, perplexity_tokens: int | None, batch_size: int,
+             dtype: str = "auto") -> "EvalPlan":
         names = tuple(tasks) if tasks else DEFAULT_TASKS
         unknown = [t for t in names if t not in LM_EVAL_TASKS and t not in PERPLEXITY_TASKS]
         if unknown:
@@ -139,18 +143,22 @@ class EvalPlan:
         if limit is not None and limit < 1:
             raise KvslimError(f"--limit must be >= 1, got {limit}")
         limits = {t: min(limit or DEFAULT_LIMITS[t], LM_EVAL_TASKS[t].num_docs) for t in names if t in LM_EVAL_TASKS}
-        return cls(names, limits, perplexity_tokens or PERPLEXITY_TOKENS, batch_size)
+        return cls(names, limits, perplexity_tokens or PERPLEXITY_TOKENS, batch_size, dtype)
 
     def settings(self) -> dict:
         """Everything that changes the numbers: part of the results cache key."""
         import lm_eval
         import transformers
 
+        from runtime.layers.activation_dtype import CpuFeatures
+
         return {
             "tasks": sorted(self.tasks),
             "limits": dict(sorted(self.limits.items())),
             "perplexity_tokens": self.perplexity_tokens if any(t in PERPLEXITY_TASKS for t in self.tasks) else None,
             "batch_size": self.batch_size,
+            "kvslim_dtype": self.dtype,
+            "cpu_native_bf16": CpuFeatures.detect().native_bf16,  # with the checkpoint, decides ``auto``
             "pack_version": PACK_VERSION,
             "lm_eval": lm_eval.__version__,
             "transformers": transformers.__version__,
@@ -238,7 +246,7 @@ def run_eval(ckpt: Path, ckpt_sha256: str, plan: EvalPlan, backend: str = "hf") 
 
     torch.manual_seed(SEED)
     start, cpu_start = time.perf_counter(), _cpu_seconds()
-    model = BACKENDS[backend](ckpt, plan.batch_size)
+    model = BACKENDS[backend](ckpt, plan)
     scores = {**lm_eval_scores(model, plan), **_perplexity_scores(model, plan)}
     ordered = {t: scores[t] for t in plan.tasks}
     return EvalResults(

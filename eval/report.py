@@ -33,10 +33,10 @@ class ReportSettings:
     decode_batch: int = 8
     decode_prompt_tokens: int = 64
     decode_new_tokens: int = 32
-    dtype: str = "float32"  # activations for perplexity and tasks
-    # Decode speed is measured with each of these activation dtypes and the fastest is reported
-    # (each checkpoint at its own fastest setting: int-packed weights have CPU kernels for bf16).
-    decode_dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    dtype: str = "auto"  # activations for perplexity and tasks (auto: runtime.layers.activation_dtype)
+    # Decode speed is measured with each of these activation dtypes and the fastest is reported;
+    # auto is each checkpoint's fastest setting on this CPU by construction.
+    decode_dtypes: tuple[str, ...] = ("auto",)
 
 
 @dataclass(frozen=True)
@@ -68,11 +68,11 @@ def served_kv_dtype(config: dict) -> str:
 
 def fastest_decode(ckpt: Path, s: ReportSettings) -> tuple[float, str]:
     """``(tokens/s, dtype)``: the best of :func:`decode_tokens_per_s` over ``s.decode_dtypes``."""
-    return max((decode_tokens_per_s(ckpt, s, dtype), dtype) for dtype in s.decode_dtypes)
+    return max(decode_tokens_per_s(ckpt, s, dtype) for dtype in s.decode_dtypes)
 
 
-def decode_tokens_per_s(ckpt: Path, s: ReportSettings, dtype: str) -> float:
-    """Aggregate decode tokens/s of the engine with ``dtype`` activations: ``decode_batch``
+def decode_tokens_per_s(ckpt: Path, s: ReportSettings, dtype: str) -> tuple[float, str]:
+    """``(tokens/s, resolved dtype)``: aggregate decode tokens/s of the engine with ``dtype`` activations: ``decode_batch``
     concurrent requests with ``decode_prompt_tokens``-token prompts from ``wikipedia:eval``;
     (time for prompt + ``decode_new_tokens``) minus (time for prompt + 1), per generated token
     after the first."""
@@ -92,7 +92,7 @@ def decode_tokens_per_s(ckpt: Path, s: ReportSettings, dtype: str) -> float:
     timed(2)  # warm-up
     prefill = timed(1)
     full = timed(s.decode_new_tokens + 1)
-    return s.decode_batch * s.decode_new_tokens / max(full - prefill, 1e-9)
+    return s.decode_batch * s.decode_new_tokens / max(full - prefill, 1e-9), engine.model.activation_dtype.name
 
 
 def _eval_token_ids(ckpt: Path, n: int) -> list[int]:
@@ -115,7 +115,7 @@ def measure(name: str, ckpt: Path, s: ReportSettings, use_cache: bool = True) ->
     config = json.loads((ckpt / "config.json").read_text())
     kv_dtype = served_kv_dtype(config)
     kv = report_variant(name, config, kv_dtype, s.kv_budget_bytes, s.seq_len, static_scales=has_static_kv_scales(ckpt))
-    plan = EvalPlan.make(list(s.tasks), s.limit, s.perplexity_tokens, 8)
+    plan = EvalPlan.make(list(s.tasks), s.limit, s.perplexity_tokens, 8, s.dtype)
     results, _ = _evaluate(str(ckpt), plan, "kvslim", use_cache)
     ppl_name = next((t for t in s.tasks if t in PERPLEXITY_TASKS), None)
     ppl = results.scores[ppl_name] if ppl_name else None
@@ -161,13 +161,15 @@ def markdown_table(rows: list[CheckpointRow], s: ReportSettings) -> str:
         f"kv_cache_scheme, else bf16). KV capacity: {s.seq_len}-token sequences admitted into a "
         f"{s.kv_budget_bytes / GIB:g} GiB paged cache until allocation fails (runtime/kv_report.py).",
         f"- Perplexity: {rows[0].perplexity_detail or 'not measured'} (eval/perplexity.py, kvslim runtime, "
-        f"{s.dtype}). " + (f"Accuracy: lm-eval 0-shot, {limit}, on kvslim's engine (`--backend kvslim`); "
-                           f"recovery = mean over tasks of accuracy / {base.name}'s." if tasks else "No lm-eval task."),
+        f"{s.dtype} activations: each row's dtype is named in brackets after its decode tok/s). "
+        + (f"Accuracy: lm-eval 0-shot, {limit}, on kvslim's engine (`--backend kvslim`); "
+           f"recovery = mean over tasks of accuracy / {base.name}'s." if tasks else "No lm-eval task."),
         f"- Decode tok/s: kvslim engine, {s.decode_batch} concurrent requests, "
         f"{s.decode_prompt_tokens}-token prompts of wikipedia:eval, {s.decode_new_tokens} new tokens; "
         "aggregate generated tokens/s after the first token; KV in the checkpoint's kv_cache_scheme, else the "
         "activation dtype; the fastest of "
-        f"{', '.join(s.decode_dtypes)} activations per checkpoint, named in brackets.",
+        f"{', '.join(s.decode_dtypes)} activations per checkpoint (auto: the runtime's choice for the "
+        "checkpoint's weights on this CPU), named in brackets.",
     ]
     return "\n".join(lines)
 

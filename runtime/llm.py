@@ -24,7 +24,7 @@ from runtime.contiguous_cache import ContiguousKVCache
 from runtime.engine import MODEL_KV_DTYPES, Engine, EngineConfig
 from runtime.engine import RequestOutput as EngineOutput
 from runtime.kv_cache import KVCacheSpec
-from runtime.loader import live_weight_bytes, load_model, resolve_dtype
+from runtime.loader import live_weight_bytes, load_model
 from runtime.sampling import SamplingParams, TokenLogprob, find_stop, token_logprobs
 
 PromptInput = str | Sequence[int]
@@ -68,7 +68,8 @@ class LLM:
     """A checkpoint loaded for generation and scoring.
 
     ``checkpoint``: a directory, ``.gguf`` file or known model name (default: the default model).
-    ``dtype``: ``float32`` / ``bfloat16`` / ``float16`` activations (quantized weights stay packed).
+    ``dtype``: ``auto`` (default: by the CPU's features, ``runtime.layers.activation_dtype``) or
+    ``float32`` / ``bfloat16`` / ``float16`` activations (quantized weights stay packed).
     ``max_model_len``: longest sequence (prompt + output), at most the config's
     ``max_position_embeddings``.
     """
@@ -76,15 +77,16 @@ class LLM:
     def __init__(
         self,
         checkpoint: str | Path | None = None,
-        dtype: str | torch.dtype = "float32",
+        dtype: str | torch.dtype = "auto",
         max_model_len: int | None = None,
         max_num_seqs: int = 32,
         prefill_chunk: int = 1024,
         use_cpu_kernels: bool = True,
     ) -> None:
         self.path = resolve_model(checkpoint)
-        self.dtype = resolve_dtype(dtype)
-        self.model = load_model(self.path, self.dtype, use_cpu_kernels=use_cpu_kernels)
+        self.model = load_model(self.path, dtype, use_cpu_kernels=use_cpu_kernels)
+        self.activation_dtype = self.model.activation_dtype
+        self.dtype = self.activation_dtype.dtype
         self.spec = self.model.spec
         limit = self.spec.max_position_embeddings
         if max_model_len is not None and not 1 <= max_model_len <= limit:

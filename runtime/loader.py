@@ -17,24 +17,14 @@ from torch import nn
 
 from compress.checkpoint import Checkpoint
 from compress.errors import CheckpointError, KvslimError
-from compress.tensor_shapes import ModelShapes, check_tensors, check_understood, expected_tensors
+from compress.tensor_shapes import ModelShapes, check_tensors, check_understood, expected_tensors, kv_cache_scheme_of
+from runtime.layers.activation_dtype import choose_activation_dtype
 from runtime.layers.fused_linear import FusedLinear, SeparateLinears, in_features, out_features, stack_linear_tensors
 from runtime.layers.linear import make_linear
 from runtime.models.decoder import Decoder
 from runtime.spec import ModelSpec
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LINEAR_TENSORS = ("weight", "bias", "weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        if dtype not in DTYPES.values():
-            raise KvslimError(f"dtype {dtype} is not supported (use one of {', '.join(DTYPES)})")
-        return dtype
-    if dtype not in DTYPES:
-        raise KvslimError(f"dtype {dtype!r} is not supported (use one of {', '.join(DTYPES)})")
-    return DTYPES[dtype]
 
 
 class CheckpointWeights:
@@ -50,7 +40,7 @@ class CheckpointWeights:
 
     def check_tensors(self) -> None:
         """Every tensor the config and declared schemes imply is there, typed and shaped as they say."""
-        check_tensors(self.ckpt, expected_tensors(self.shapes, self._scheme))
+        check_tensors(self.ckpt, expected_tensors(self.shapes, self._scheme, kv_cache_scheme_of(self.ckpt.config)))
 
     def tensor(self, name: str) -> torch.Tensor:
         if not self.ckpt.has(name):
@@ -111,17 +101,20 @@ def load_model(
 ) -> Decoder:
     """Load a checkpoint directory into a ``Decoder`` in eval mode.
 
-    ``dtype``: activation and dense-weight dtype. Quantized weights stay in their packed form.
+    ``dtype``: activation and dense-weight dtype, or ``auto`` (``runtime.layers.activation_dtype``:
+    by the CPU's features); the choice is ``model.activation_dtype``. Quantized weights stay packed.
     ``use_cpu_kernels``: use torch's weight-only INT4/INT8 CPU kernels where they apply (bf16), and
     ``torch._int_mm`` for W8A8 (False: its fake-quantize + dequantize reference path).
     ``fuse``: q/k/v and gate/up projections as one GEMM each where their schemes match.
     """
     ckpt = Checkpoint.open(path)
     spec = ModelSpec.from_config(ckpt.config)
-    weights = CheckpointWeights(ckpt, spec, resolve_dtype(dtype), use_cpu_kernels, fuse)
+    choice = choose_activation_dtype(dtype, tuple(g.scheme for g in spec.quant.groups) if spec.quant else ())
+    weights = CheckpointWeights(ckpt, spec, choice.dtype, use_cpu_kernels, fuse)
     weights.check_tensors()
     with torch.no_grad():
-        model = Decoder(spec, weights, resolve_dtype(dtype))
+        model = Decoder(spec, weights, choice.dtype)
+    model.activation_dtype = choice
     weights.check_all_used()
     return model.eval().requires_grad_(False)
 

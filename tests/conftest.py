@@ -47,3 +47,17 @@ def tiny_with_tokenizer(default_model_dir, tmp_path_factory):
     """A tiny random Llama that shares the default model's tokenizer (so real text tokenizes)."""
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tok") / "tiny", "llama",
                                 tokenizer_from=default_model_dir, vocab_size=49152)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def auto_dtype_without_native_bf16():
+    """``dtype="auto"`` resolves by the CPU's features (bf16 where the CPU has native bf16). Tests
+    compare against fp32 references and must not depend on the machine, so in-process code sees
+    a CPU without native bf16 and ``auto`` means float32; the tests of the choice itself
+    (tests/runtime/layers/test_activation_dtype.py) pass their features explicitly."""
+    from runtime.layers.activation_dtype import CpuFeatures
+
+    plain = CpuFeatures(avx2=True, avx512=False, vnni=False, avx512_bf16=False, amx=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(CpuFeatures, "detect", classmethod(lambda cls: plain))
+        yield

@@ -24,6 +24,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheme", default="default", help="which gates of eval/gates.yaml apply (default: default)")
     p.add_argument("--backend", default="hf", help="model backend: hf (lm-eval's own transformers model) or kvslim (kvslim's engine: as served)")
     p.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size (default 8)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="--backend kvslim activations; auto (default): bfloat16 on a CPU with native bf16 or on "
+                        "CUDA, else float32 (the hf backend runs float32)")
     p.add_argument("--no-cache", action="store_true", help="re-run even when cached results exist")
 
 
@@ -102,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     gate_cfg = GateConfig.load(args.scheme)
     if args.baseline is None and args.scheme != "default":
         raise KvslimError(f"--scheme {args.scheme} chooses recovery gates: it needs --baseline CKPT")
-    plan = EvalPlan.make(_task_list(args.tasks), args.limit, args.ppl_tokens, args.batch_size)
+    plan = EvalPlan.make(_task_list(args.tasks), args.limit, args.ppl_tokens, args.batch_size, args.dtype)
     ckpt = _checked_checkpoint(args.checkpoint)
     baseline = _checked_checkpoint(args.baseline) if args.baseline is not None else None
     ppl_names = [t for t in plan.tasks if t in PERPLEXITY_TASKS]

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import argparse
 
+# runtime.layers.activation_dtype.DTYPE_CHOICES, spelled out: the parser is built without torch.
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
 
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.usage = "compress generate [options] [CKPT] PROMPT"
@@ -14,7 +17,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="activations; auto (default): bfloat16 on a CPU with native bf16 or on CUDA, else float32")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--stats", action="store_true", help="print weight bytes and KV bytes per token")
@@ -68,7 +72,8 @@ def format_stats(llm, num_prompt_tokens: int, completion) -> str:
     kv_short = llm.kv_bytes_per_token(num_prompt_tokens + len(completion.token_ids))
     lines = [
         f"checkpoint: {llm.path}",
-        f"weights: {llm.weight_bytes() / 2**20:.1f} MiB resident ({llm.dtype}; quantized weights packed)",
+        f"activations: {llm.activation_dtype.describe()}",
+        f"weights: {llm.weight_bytes() / 2**20:.1f} MiB resident (quantized weights packed)",
         f"kv cache: {kv / 1024:.2f} KiB/token at context {ctx} ({llm.dtype}); "
         f"{kv_short / 1024:.2f} KiB/token at this request's {num_prompt_tokens + len(completion.token_ids)} tokens",
         f"tokens: {num_prompt_tokens} prompt + {len(completion.token_ids)} generated ({completion.finish_reason})",

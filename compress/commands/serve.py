@@ -21,6 +21,7 @@ from compress.errors import KvslimError
 DEFAULT_MODEL = "smollm2"
 KV_DTYPES = {"auto": None, "fp8": "fp8_e4m3", "int8": "int8"}
 API_KEY_ENV = "KVSLIM_API_KEY"
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # runtime.layers.activation_dtype's, without torch
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -30,6 +31,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (or set ${API_KEY_ENV})")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="activations; auto (default): bfloat16 on a CPU with native bf16 or on CUDA, else float32")
     p.add_argument("--kv-cache-dtype", choices=sorted(KV_DTYPES), default="auto",
                    help="KV cache dtype; auto = the checkpoint's kv_cache_scheme, else the model dtype")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests in the running batch")
@@ -129,6 +132,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, path: Path, source: st
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     engine = Engine.from_checkpoint(path, EngineConfig(
+        dtype=args.dtype,
         kv_dtype=KV_DTYPES[args.kv_cache_dtype],
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
@@ -155,7 +159,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, path: Path, source: st
     sys.stderr.write(
         f"compress serve: {model_name} ({path}) on http://{url_host}:{args.port}  kv={group.kv_dtype} "
         f"{footprint.bytes_per_token:.0f} B/token (original in bf16: {footprint.original_bytes_per_token:.0f}), "
-        f"max_model_len={engine.max_model_len}, max_num_seqs={args.max_num_seqs}, queue={max_queue}\n")
+        f"max_model_len={engine.max_model_len}, max_num_seqs={args.max_num_seqs}, queue={max_queue}, "
+        f"activations {engine.model.activation_dtype.describe()}\n")
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            access_log=False))
     # uvicorn drains on SIGTERM, then re-raises it into the handler it found (the default one kills

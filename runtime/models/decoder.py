@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.attention_backend import AttentionBackend
+from runtime.layers.activation_dtype import ActivationDtype
 from runtime.layers.attention import Attention
 from runtime.layers.mlp import GatedMLP
 from runtime.layers.norm import RMSNorm
@@ -86,6 +87,7 @@ class Decoder(nn.Module):
     def __init__(self, spec: ModelSpec, weights: WeightSource, dtype: torch.dtype) -> None:
         super().__init__()
         self.spec = spec
+        self.activation_dtype = ActivationDtype(dtype, "requested")  # the loader records an ``auto`` choice
         self.dtype = dtype
         embed = weights.tensor("model.embed_tokens.weight").to(dtype)
         self.register_buffer("embed_tokens", embed, persistent=False)
