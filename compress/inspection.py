@@ -13,6 +13,7 @@ from compress.errors import KvslimError
 from compress.quant_spec import QuantSpec
 from compress.schemes import QuantScheme, scheme_from_config_group
 from compress.tensor_shapes import ModelShapes, check_checkpoint, no_quantization
+from compress.transformers_compat import loading_note
 from compress.vllm_compat import KernelVerdict, kernel_verdicts
 
 # safetensors dtype name -> bytes per element
@@ -169,6 +170,9 @@ def format_inspection(ins: Inspection, per_layer: bool = False) -> str:
         for kernel in sorted({v.kernel for l in ins.linears for v in l.verdicts}):
             ok = sum(1 for l in ins.linears for v in l.verdicts if v.kernel == kernel and v.ok)
             lines.append(f"  {kernel} accepts {ok}/{len(ins.linears)} layers")
+    note = loading_note(ins.scheme)
+    if note:
+        lines.append(note.replace("note: ", "warning: ", 1))
     if ins.unread:
         more = f" and {len(ins.unread) - 3} more" if len(ins.unread) > 3 else ""
         lines.append(f"not read by the kvslim runtime (it refuses to load them; other loaders may use them): "

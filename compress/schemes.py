@@ -44,7 +44,7 @@ INT_QUANTIZED = "int-quantized"
 # See BENCHMARKS.md, section "Weight quantization quality (RTN)".
 PRESET_INT4_GROUP_SIZE = 64
 DEFAULT_INT4_GROUP_SIZE = 32
-DEFAULT_INT4_SYMMETRIC = False
+DEFAULT_INT4_SYMMETRIC = True
 
 
 @dataclass(frozen=True)
@@ -204,6 +204,9 @@ class QuantScheme:
 FP8_TOKEN_DYNAMIC = ActivationQuant(num_bits=8, type="float", strategy="token", symmetric=True, dynamic=True)
 INT8_TOKEN_DYNAMIC = ActivationQuant(num_bits=8, type="int", strategy="token", symmetric=True, dynamic=True)
 
+# Its per-token FP8 activations alone (original weights) cost +0.99% perplexity on the default
+# model (held-out calibration text): no weight quantizer takes FP8_DYNAMIC below that; FP8_W8A16
+# keeps activations unquantized.
 FP8_DYNAMIC = QuantScheme("FP8_DYNAMIC", 8, "float", "channel", None, True, FP8_TOKEN_DYNAMIC)
 W8A8 = QuantScheme("W8A8", 8, "int", "channel", None, True, INT8_TOKEN_DYNAMIC)
 W8A16 = QuantScheme("W8A16", 8, "int", "channel", None, True)

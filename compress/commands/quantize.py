@@ -97,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
            else f"keep their source dtype ({', '.join(src_dtypes)}), ")
         + "scales take the weight's dtype."
     )
-    for note in (smooth_note, calib_note):
+    from compress.transformers_compat import loading_note
+
+    for note in (smooth_note, calib_note, loading_note(scheme)):
         if note:
             print(note)
     if tuning:

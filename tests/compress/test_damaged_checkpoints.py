@@ -25,9 +25,10 @@ def assert_one_line_error(rc: int, err: str, needle: str) -> None:
 
 @pytest.fixture(scope="module")
 def quantized(tiny_checkpoints, tmp_path_factory) -> dict:
-    """The tiny Llama in INT4 (asymmetric, packed zero points), INT8 (packed) and FP8."""
+    """The tiny Llama in INT4 (the default), INT4 asymmetric (packed zero points), INT8 (packed) and FP8."""
     root = tmp_path_factory.mktemp("quantized")
-    schemes = {"int4": default_scheme("int4"), "int8": W8A16, "fp8": FP8_DYNAMIC}
+    schemes = {"int4": default_scheme("int4"), "int4_asym": default_scheme("int4").with_options(symmetric=False),
+               "int8": W8A16, "fp8": FP8_DYNAMIC}
     return {k: quantize_checkpoint(tiny_checkpoints["llama"], root / k, s, progress=False).out
             for k, s in schemes.items()}
 
@@ -48,7 +49,7 @@ DOWN = "model.layers.3.mlp.down_proj"
      "model.norm.weight has dtype I32, expected a floating-point dtype: F32, BF16, F16 or F64"),
     ("dense", ("lm_head.weight",), {}, "missing tensor lm_head.weight"),
     ("int4", (f"{LAYER}.weight_packed",), {}, f"missing tensor {LAYER}.weight_packed"),
-    ("int4", (), {f"{DOWN}.weight_zero_point": torch.zeros(16, 4, dtype=torch.int32)},
+    ("int4_asym", (), {f"{DOWN}.weight_zero_point": torch.zeros(16, 4, dtype=torch.int32)},
      f"{DOWN}.weight_zero_point has shape [16, 4], expected [16, 8] (packed zero points of W4A16_ASYM"),
     ("int4", (), {f"{DOWN}.weight_shape": torch.tensor([128, 200])},
      f"{DOWN}.weight_shape holds [128, 200], expected [128, 256]"),

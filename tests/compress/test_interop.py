@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from compressed_tensors import __version__ as ct_version
 
 from compress.checkpoint import Checkpoint
 from compress.primitives import dequantize_linear
 from compress.quantize import quantize_checkpoint
-from compress.schemes import FP8_DYNAMIC, FP8_W8A16, W4A16, W4A16_ASYM, W8A8, W8A16
+from compress.schemes import FP8_DYNAMIC, FP8_W8A16, W4A16, W4A16_ASYM, W8A8, W8A16, default_scheme
+from compress.transformers_compat import default_route_fails
 
 SCHEMES = {
     "fp8": FP8_DYNAMIC,
@@ -28,6 +30,9 @@ SCHEMES = {
     "int4_sym": W4A16.with_options(group_size=32),
     "int4_asym": W4A16_ASYM,
 }
+# What `compress quantize --KIND` writes with no other flag: each must load with the one line users know.
+DEFAULT_KINDS = ("fp8", "fp8-weight-only", "w8a8", "int8", "int4")
+SCHEMES.update({f"default_{kind}": default_scheme(kind) for kind in DEFAULT_KINDS})
 # Fixed before measuring: the same dense weights through the same modeling code.
 LOGITS_ATOL = 1e-5
 
@@ -91,9 +96,13 @@ def test_transformers_decompresses_exactly_our_weights(key, quantized, tiny_llam
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=0, atol=LOGITS_ATOL)
 
 
-@pytest.mark.parametrize("key", ["fp8", "fp8_weight_only", "w8a8", "int8", "int4_sym"])
+@pytest.mark.parametrize("key", ["fp8", "fp8_weight_only", "w8a8", "int8", "int4_sym",
+                                 *(f"default_{kind}" for kind in DEFAULT_KINDS)])
 def test_default_transformers_load_runs_and_decompresses_on_first_forward(key, quantized):
-    """The default route (no dequantize flag): compressed modules, decompressed on first forward."""
+    """The default route (no dequantize flag): compressed modules, decompressed on first forward.
+    Every scheme ``compress quantize`` writes by default is here, so a default that plain
+    ``from_pretrained`` cannot open fails this test."""
+    assert not default_route_fails(SCHEMES[key])
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(quantized[key], dtype=torch.float32).eval()
@@ -105,12 +114,14 @@ def test_default_transformers_load_runs_and_decompresses_on_first_forward(key, q
 
 
 @pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="compressed-tensors 0.20's load-time (meta) compress does not pack the zero point, so "
-                          "transformers' default route expects [out, groups] where the format stores it packed "
-                          "[out/8, groups] (as compressed-tensors' own compressor writes it); dequantize=True works")
+                   reason=f"compressed-tensors {ct_version}'s load-time (meta) compress does not pack the zero "
+                          "point, so transformers' default route expects [out, groups] where the format stores it "
+                          "packed [out/8, groups] (as compressed-tensors' own compressor writes it); the flagged "
+                          "--asymmetric scheme only; dequantize=True works (test above)")
 def test_default_transformers_load_of_asymmetric_int4(quantized):
     from transformers import AutoModelForCausalLM
 
+    assert default_route_fails(SCHEMES["int4_asym"])
     AutoModelForCausalLM.from_pretrained(quantized["int4_asym"], dtype=torch.float32)
 
 

@@ -35,17 +35,30 @@ def test_quantize_int4_writes_checkpoint_and_table(tiny_llama, tmp_path, capsys)
     rc, stdout, _ = run_cli(capsys, "quantize", str(tiny_llama), "--int4", "--group-size", "32", "-o", str(out),
                             "--no-progress")
     assert rc == 0
-    assert "W4A16_ASYM" in stdout and "x vs bf16" in stdout and "total" in stdout
+    assert "scheme: W4A16 (INT4 group 32 symmetric" in stdout and "x vs bf16" in stdout and "total" in stdout
+    assert "note:" not in stdout
     ckpt = Checkpoint.open(out)
     qc = ckpt.quantization_config
     assert qc["format"] == "pack-quantized" and qc["ignore"] == ["lm_head"]
     assert qc["config_groups"]["group_0"]["weights"]["group_size"] == 32
+    assert qc["config_groups"]["group_0"]["weights"]["symmetric"] is True
     assert ckpt.headers["model.layers.0.self_attn.q_proj.weight_packed"] == ("I32", (128, 16))
-    assert ckpt.headers["model.layers.0.self_attn.q_proj.weight_zero_point"] == ("I32", (16, 4))
+    assert "model.layers.0.self_attn.q_proj.weight_zero_point" not in ckpt.headers
     assert ckpt.headers["model.layers.0.self_attn.q_proj.weight_scale"] == ("F32", (128, 4))
     assert ckpt.headers["model.embed_tokens.weight"] == ("F32", (512, 128))  # source dtype kept
     assert (out / "generation_config.json").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dir left
+
+
+def test_asymmetric_int4_names_the_loading_route_that_works(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "asym"
+    rc, stdout, _ = run_cli(capsys, "quantize", str(tiny_llama), "--int4", "--asymmetric", "--group-size", "32",
+                            "-o", str(out), "--no-progress")
+    assert rc == 0 and "W4A16_ASYM" in stdout
+    assert "note: W4A16_ASYM stores packed zero points" in stdout and "CompressedTensorsConfig(dequantize=True)" in stdout
+    assert Checkpoint.open(out).headers["model.layers.0.self_attn.q_proj.weight_zero_point"] == ("I32", (16, 4))
+    rc, stdout, _ = run_cli(capsys, "inspect", str(out))
+    assert rc == 0 and "warning: W4A16_ASYM stores packed zero points" in stdout
 
 
 def test_quantize_fp8_and_int8_formats(tiny_llama, tmp_path, capsys):
@@ -120,7 +133,7 @@ def test_inspect_quantized(tiny_llama, tmp_path, capsys):
     rc, stdout, _ = run_cli(capsys, "inspect", str(tmp_path / "q"))
     assert rc == 0
     assert "LlamaForCausalLM" in stdout and "4 heads x 32, 2 KV heads" in stdout
-    assert "W4A16_ASYM" in stdout and "pack-quantized" in stdout
+    assert "W4A16 " in stdout and "pack-quantized" in stdout and "warning:" not in stdout
     assert "I32" in stdout and "Marlin" in stdout and "Machete" in stdout
     # 4 layers x 2 KV heads x 32 x (K+V) x 2 bytes = 1 KiB per token in bf16
     assert "bf16 1.00 KiB, fp8 0.50 KiB" in stdout

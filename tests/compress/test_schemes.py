@@ -62,7 +62,7 @@ def test_defaults():
     assert default_scheme("int8") is W8A16
     assert default_scheme("w8a8") is W8A8
     int4 = default_scheme("int4")
-    assert (int4.name, int4.group_size, int4.symmetric) == ("W4A16_ASYM", 32, False)
+    assert (int4.name, int4.group_size, int4.symmetric) == ("W4A16", 32, True)  # plain from_pretrained loads it
     int4.check_input_features(576, "q_proj")  # the default model's hidden size
 
 
