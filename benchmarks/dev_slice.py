@@ -1,5 +1,5 @@
 """The calibration dev slice: calibration text that no calibration window covers, for choosing
-levers without reading evaluation text (``gptq_sink_weight.py``, ``gptq_dev_levers.py``)."""
+defaults without reading evaluation text (``int4_default_choice.py``)."""
 from __future__ import annotations
 
 from pathlib import Path

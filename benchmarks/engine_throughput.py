@@ -68,7 +68,8 @@ def run_engine(model_dir: Path, dtype: str, prompts: list[list[int]], new_tokens
     generated = sum(len(o.token_ids) for o in outs.values())
     assert generated == new_tokens * len(prompts)
     return {"wall_s": wall, "generated": generated, "tok_s": generated / wall,
-            "kv_dtype": engine.kv_spec.groups[0].kv_dtype, "preemptions": engine.stats.preemptions}
+            "kv_dtype": engine.kv_spec.groups[0].kv_dtype, "activations": engine.model.activation_dtype.name,
+            "preemptions": engine.stats.preemptions}
 
 
 def checkpoint_label(path: Path) -> str:
@@ -122,7 +123,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--engine-dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--engine-dtypes", nargs="+", default=["auto"],
+                    help="engine activation dtypes (default auto: the runtime's own choice for the checkpoint)")
     ap.add_argument("--hf-dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--engine-w8a8", action="store_true",
                     help="also run the engine on the model quantized to W8A8 (RTN, into a temporary directory)")
@@ -174,10 +176,12 @@ def main() -> int:
     for (peer, path, dt, policy, c), rs in runs.items():
         top = max(rs, key=lambda r: r["tok_s"])
         kv = f" (KV {top['kv_dtype']})" if "kv_dtype" in top else ""
-        rows.append({"peer": peer, "dtype": f"{dt}{kv}, OMP {policy}", "concurrency": c, "checkpoint": path,
-                     **{k: v for k, v in top.items() if k != "kv_dtype"}, "all_tok_s": [r["tok_s"] for r in rs]})
+        name = f"auto={top['activations']}" if dt == "auto" else dt
+        rows.append({"peer": peer, "dtype": f"{name}{kv}, OMP {policy}", "concurrency": c, "checkpoint": path,
+                     **{k: v for k, v in top.items() if k not in ("kv_dtype", "activations")},
+                     "all_tok_s": [r["tok_s"] for r in rs]})
     print(f"\nAggregate generated tok/s, {PROMPT_TOKENS}-token wikipedia:eval prompts, {args.new_tokens} new tokens "
-          f"each, greedy, {args.threads} threads ({platform.processor() or platform.machine()})")
+          f"each, greedy, {args.threads} threads ({platform.processor() or platform.machine()}; CPU flags: {cpu_flags()})")
     width = max(18, *(len(r["peer"]) for r in rows))
     print(f"{'peer':{width}s} {'dtype (activations), OpenMP wait':34s} " + " ".join(f"{'c=' + str(c):>9s}" for c in args.concurrency))
     for peer in dict.fromkeys(r["peer"] for r in rows):
@@ -204,10 +208,16 @@ def main() -> int:
     scratch.cleanup()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"new_tokens": args.new_tokens, "threads": args.threads,
+        args.json.write_text(json.dumps({"new_tokens": args.new_tokens, "threads": args.threads, "cpu_flags": cpu_flags(),
                                          "omp_policies": args.omp_policies, "repeats": args.repeats, "rows": rows,
                                          "best": best, "llama_cpp": skipped or "measured"}, indent=2))
     return 0
+
+
+def cpu_flags() -> str:
+    from runtime.layers.activation_dtype import CpuFeatures
+
+    return CpuFeatures.detect().describe()
 
 
 def gguf_path() -> Path:

@@ -13,13 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
-import compress
 from compress.algorithms.gptq import default_options, gptq_quantize, hessian_from_inputs
 from compress.schemes import default_scheme
 
@@ -33,8 +31,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gptq_layer_time.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    src = Path(compress.__file__).parent
-    commit = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     rows = []
     for name, (out_f, in_f) in SHAPES.items():
         g = torch.Generator().manual_seed(0)
@@ -51,7 +47,7 @@ def main() -> None:
             print(f"{name:<14} {out_f:>6} x {in_f:<6} {kind:<5} {seconds:7.2f} s", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
-        "kvslim": f"{src} @ {commit}", "threads": args.threads,
+        "threads": args.threads,
         "machine": f"{os.cpu_count()} CPUs (load average {os.getloadavg()[0]:.1f}), torch {torch.__version__}",
         "rows": rows,
     }, indent=2) + "\n")

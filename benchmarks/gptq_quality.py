@@ -10,10 +10,10 @@ That route drops activation quantization, so the schemes that quantize activatio
 W8A8) load through transformers' default compressed-tensors route instead, where
 compressed-tensors fake-quantizes every quantized Linear's input per token (what they serve with).
 
-Targets (fixed before measuring, from issue 3): FP8 (FP8_DYNAMIC, and FP8 weight-only) and INT8
+Targets (fixed before measuring): FP8 (FP8_DYNAMIC, and FP8 weight-only) and INT8
 within +1% of the original;
 INT4-GPTQ within +10%, and its gap to the original at most 0.8x RTN's gap. W8A8 (INT8 weights and
-activations, issue 8) takes INT8's +1%. ``fp8_activations_only`` (original weights, FP8_DYNAMIC's
+activations) takes INT8's +1%. ``fp8_activations_only`` (original weights, FP8_DYNAMIC's
 per-token activation quantization only) is a diagnostic with no target: FP8_DYNAMIC's floor.
 
 Writes ``benchmarks/results/gptq_quality.json`` (or ``--out``) after every row. ``--threads``

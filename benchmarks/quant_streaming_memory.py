@@ -14,7 +14,7 @@
 3. Deletes the synthetic checkpoint and outputs (unless ``--keep``), writes
    ``benchmarks/results/quant_streaming_memory.json`` and prints a table.
 
-Target (issue 3, fixed before measuring): peak RssAnon <= 2 GiB for both runs. The machine is
+Target (fixed before measuring): peak RssAnon <= 2 GiB for both runs. The machine is
 shared by other jobs: wall times are noisy.
 """
 from __future__ import annotations

@@ -202,8 +202,8 @@ class _Batch:
 # attention). Plain GPTQ weighs it as 1/seq_len of the data and trades its accuracy away: on
 # SmolLM2-135M INT4 g32 (8 x 512 calibration tokens, wikipedia:eval first 2048 tokens) perplexity
 # was 19.19 with weight 1 vs RTN 18.48; 28.7 without the token; 18.00 with 16; 18.23 with 128.
-# That check read evaluation text; re-chosen on held-out calibration text only
-# (benchmarks/gptq_sink_weight.py), 16 still beats 1 (16.39 vs 17.26).
+# That check read evaluation text; re-chosen on held-out calibration text only (wikipedia:calib
+# after the 64 calibration windows), 16 still beats 1 (16.39 vs 17.26).
 SINK_WEIGHT = DEFAULT_SINK_WEIGHT
 
 

@@ -80,7 +80,7 @@ class _ScaleFactor(nn.Module):
 
 def check_tunable(scheme: QuantScheme) -> None:
     """Refuse schemes that quantize activations: tuning their weight scales raised perplexity on the
-    default model (BENCHMARKS.md, issue 3's seventh session)."""
+    default model (BENCHMARKS.md, weight quantization quality)."""
     if scheme.input_activations is not None:
         raise KvslimError(f"--tune-scales-steps supports weight-only schemes; {scheme.name} quantizes activations too")
 

@@ -195,7 +195,11 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Schedule, run one decoder call, sample, postprocess. Returns outputs of the requests
-        that produced a token (or finished) this step."""
+        that produced a token (or finished) this step.
+
+        The decoder runs eagerly: torch.compile of the step measured slower on a 2-core AVX-512 CPU
+        (W8A8 bf16, 32 requests: eager 74.3 ms, MLP + norms compiled 76.8 ms, whole layers 223.6 ms
+        per step), as shapes change every step."""
         out = self.scheduler.schedule()
         self.stats.preemptions += len(out.preempted)
         if not out.scheduled:

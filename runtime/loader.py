@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from compress.checkpoint import Checkpoint
-from compress.errors import CheckpointError, KvslimError
+from compress.errors import CheckpointError
 from compress.tensor_shapes import ModelShapes, check_tensors, check_understood, expected_tensors, kv_cache_scheme_of
 from runtime.layers.activation_dtype import choose_activation_dtype
 from runtime.layers.fused_linear import FusedLinear, SeparateLinears, in_features, out_features, stack_linear_tensors

@@ -106,7 +106,7 @@ def test_hessian_collector_shares_inputs(tiny_llama):
 
 
 def test_sink_token_is_weighted_in_the_hessian():
-    """Regression (issue 3): plain GPTQ let the first token of each window (an attention sink on
+    """Regression: plain GPTQ let the first token of each window (an attention sink on
     real models) absorb error; its rows must count SINK_WEIGHT times, the others once."""
     assert SINK_WEIGHT > 1
     linear = torch.nn.Linear(4, 3, bias=False)
