@@ -17,11 +17,18 @@ install: $(STAMP)
 
 ## The main job, end to end on the default model (SmolLM2-135M-Instruct).
 demo: install
-	$(PYTHON) -m compress.demo
+	$(PYTHON) -m cli.demo
 
 ## The whole test suite (what CI runs).
 test: install
 	$(PYTHON) -m pytest -q -p no:cacheprovider
+
+## The quick benchmarks (minutes on 2 cores): KV bytes and capacity, quantized-KV perplexity as
+## served, decode speed of each weight storage at fp32 vs bf16. JSON lands in runs/.
+bench: install
+	$(PYTHON) -m runtime.kv_report --budget-gib 1 --json runs/kv_report.json
+	$(PYTHON) benchmarks/engine_kv_perplexity.py --tokens 1024 --json runs/engine_kv_ppl.json
+	$(PYTHON) benchmarks/activation_dtype.py speed --batch 1 8 --new-tokens 16 --json runs/activation_dtype_speed.json
 
 test-fast: install
 	$(PYTHON) -m pytest -q -m "not slow"

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from compress.errors import KvslimError
-from eval.texts import DEFAULT_CALIB, RANGES, load_text
+from foundation.errors import KvslimError
+from foundation.texts import DEFAULT_CALIB, RANGES, load_text
 
 DEFAULT_SEQ_LEN = 1024
 DEFAULT_NUM_SEQS = 2

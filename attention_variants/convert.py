@@ -14,14 +14,18 @@ import torch
 
 from attention_variants import gqa, kv_sharing, sliding
 from attention_variants.calibration import (
-    DEFAULT_NUM_SEQS, DEFAULT_SEQ_LEN, AttentionInputs, calibration_batches, capture_attention_inputs,
+    DEFAULT_NUM_SEQS,
+    DEFAULT_SEQ_LEN,
+    AttentionInputs,
+    calibration_batches,
+    capture_attention_inputs,
 )
-from attention_variants.layout import KV_SOURCE_KEY, AttentionLayout
 from attention_variants.modeling_files import CAUSAL_LM_CLASSES, auto_map_for, write_modeling_file
-from compress.architecture import model_type_of
-from compress.atomic import atomic_output_dir, check_output_dir
-from compress.checkpoint import Checkpoint, ShardWriter, write_config
-from compress.errors import KvslimError, UnsupportedArchitecture
+from foundation.architecture import model_type_of
+from foundation.atomic import atomic_output_dir, check_output_dir
+from foundation.attention_layout import KV_SOURCE_KEY, AttentionLayout
+from foundation.checkpoint import Checkpoint, ShardWriter, write_config
+from foundation.errors import KvslimError, UnsupportedArchitecture
 
 NATIVE_HYBRID = ("qwen2", "qwen3", "gemma3_text")  # transformers honours layer_types for these
 

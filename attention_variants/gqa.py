@@ -22,7 +22,14 @@ import torch
 
 from attention_variants.calibration import AttentionInputs
 from attention_variants.projections import (
-    augmented, complex_pairs, fold_into_query, heads, input_covariance, proj_key, real_rows, store_augmented,
+    augmented,
+    complex_pairs,
+    fold_into_query,
+    heads,
+    input_covariance,
+    proj_key,
+    real_rows,
+    store_augmented,
 )
 
 MergeMethod = Literal["mean", "calib"]

@@ -23,17 +23,17 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from attention_variants.layout import AttentionLayout
 from attention_variants.modeling_files import write_modeling_file
-from compress.atomic import atomic_output_dir, check_output_dir
-from compress.checkpoint import Checkpoint, ShardWriter, write_config
-from compress.errors import KvslimError
-from eval.texts import DEFAULT_HEAL, RANGES, load_text
+from foundation.architecture import ATTENTION_PROJECTIONS
+from foundation.atomic import atomic_output_dir, check_output_dir
+from foundation.attention_layout import AttentionLayout
+from foundation.checkpoint import Checkpoint, ShardWriter, write_config
+from foundation.errors import KvslimError
+from foundation.texts import DEFAULT_HEAL, RANGES, load_text
 
 TrainMode = Literal["attn", "all", "lora"]
 Clock = Literal["wall", "cpu"]
 TRAIN_MODES = ("attn", "all", "lora")
-ATTN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ def trainable_names(model, student_config: dict, teacher_config: dict, mode: Tra
     if mode == "all":
         return [n for n, _ in model.named_parameters()]
     layers = rewritten_layers(student_config, teacher_config)
-    prefixes = tuple(f"model.layers.{i}.self_attn.{p}." for i in layers for p in ATTN_PROJECTIONS)
+    prefixes = tuple(f"model.layers.{i}.self_attn.{p}." for i in layers for p in ATTENTION_PROJECTIONS)
     return [n for n, _ in model.named_parameters() if n.startswith(prefixes)]
 
 

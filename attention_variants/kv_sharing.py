@@ -17,7 +17,12 @@ import torch
 
 from attention_variants.calibration import AttentionInputs
 from attention_variants.projections import (
-    augmented, complex_pairs, fold_into_query, heads, proj_key, store_augmented,
+    augmented,
+    complex_pairs,
+    fold_into_query,
+    heads,
+    proj_key,
+    store_augmented,
 )
 
 SupplierSelect = Literal["first", "calib"]

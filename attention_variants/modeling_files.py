@@ -12,7 +12,7 @@ import hashlib
 import shutil
 from pathlib import Path
 
-from compress.errors import KvslimError
+from foundation.errors import KvslimError
 
 MODELING_DIR = Path(__file__).resolve().parent / "modeling"
 MODELING_FILE = "modeling_kvslim.py"

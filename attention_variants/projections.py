@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+from foundation.architecture import ATTENTION_PROJECTIONS
 
 
 def proj_key(layer: int, proj: str, param: str = "weight") -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Literal
 
 from attention_variants.calibration import AttentionInputs
-from attention_variants.layout import FULL, SLIDING
+from foundation.attention_layout import FULL, SLIDING
 
 GlobalSelect = Literal["fixed", "calib"]
 

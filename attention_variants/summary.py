@@ -5,12 +5,12 @@ from pathlib import Path
 
 import torch
 
-from attention_variants.layout import AttentionLayout
 from attention_variants.modeling_files import checkpoint_code_is_ours
-from compress.checkpoint import Checkpoint
-from compress.errors import KvslimError
-from eval.perplexity import PerplexityResult, hf_logits_fn, perplexity, tokenize_range
-from eval.texts import DEFAULT_EVAL
+from foundation.attention_layout import AttentionLayout
+from foundation.checkpoint import Checkpoint
+from foundation.errors import KvslimError
+from foundation.perplexity import PerplexityResult, hf_logits_fn, perplexity, tokenize_range
+from foundation.texts import DEFAULT_EVAL
 
 EVAL_CONTEXT = 1024  # sliding-window figures need context beyond the window
 EVAL_STRIDE = 512

@@ -30,7 +30,7 @@ DTYPES = ("float32", "bfloat16")
 def checkpoints(src: Path, kinds: list[str], work: Path):
     """``(kind, path)`` for each storage, quantized by RTN into ``work`` (dense: the source)."""
     from compress.quantize import quantize_checkpoint
-    from compress.schemes import default_scheme
+    from foundation.schemes import default_scheme
 
     for kind in kinds:
         yield kind, src if kind == "dense" else quantize_checkpoint(src, work / kind, default_scheme(kind),
@@ -70,7 +70,7 @@ def speed(src: Path, args) -> list[dict]:
 
 
 def quality(src: Path, args) -> list[dict]:
-    from eval.perplexity import perplexity
+    from foundation.perplexity import perplexity
     from runtime.engine import Engine, EngineConfig
 
     ids = torch.tensor(eval_ids(src, args.tokens))
@@ -95,7 +95,7 @@ def quality(src: Path, args) -> list[dict]:
 def eval_ids(src: Path, n: int) -> list[int]:
     from transformers import AutoTokenizer
 
-    from eval.perplexity import tokenize_range
+    from foundation.perplexity import tokenize_range
 
     return tokenize_range(AutoTokenizer.from_pretrained(src), "wikipedia:eval", max_tokens=n).tolist()
 
@@ -112,8 +112,8 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(2)
 
-    from compress.model_source import resolve_model
-    from compress.schemes import default_scheme
+    from foundation.model_source import resolve_model
+    from foundation.schemes import default_scheme
     from runtime.layers.activation_dtype import CpuFeatures, choose_activation_dtype
 
     src = resolve_model("smollm2")

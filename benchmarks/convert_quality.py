@@ -48,10 +48,10 @@ def main() -> int:
     torch.set_num_threads(2)
     from attention_variants.calibration import calibration_batches, capture_attention_inputs
     from attention_variants.convert import ConvertSpec, convert
-    from attention_variants.layout import AttentionLayout
     from attention_variants.summary import BF16, EVAL_CONTEXT, EVAL_STRIDE, eval_perplexity
-    from compress.checkpoint import Checkpoint
-    from compress.model_source import resolve_model
+    from foundation.attention_layout import AttentionLayout
+    from foundation.checkpoint import Checkpoint
+    from foundation.model_source import resolve_model
 
     source = resolve_model(args.model)
     t0 = time.time()

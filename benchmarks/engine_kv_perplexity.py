@@ -30,8 +30,8 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    from compress.model_source import resolve_model
-    from eval.perplexity import perplexity, tokenize_range
+    from foundation.model_source import resolve_model
+    from foundation.perplexity import perplexity, tokenize_range
     from runtime.engine import Engine, EngineConfig
     from runtime.loader import load_model
 
@@ -62,7 +62,7 @@ def main() -> int:
 def calibrated_kv_scales(path, num_samples: int) -> dict[int, tuple[float, float]]:
     """Per-layer ``(k_scale, v_scale)`` exactly as ``compress quantize --kv-cache-fp8`` writes them."""
     from compress.calibration import CalibrationSpec, calibration_ids
-    from compress.layer_stream import windows_quantizer
+    from compress.sequential_quantizer import windows_quantizer
 
     ids = calibration_ids(path, CalibrationSpec(num_samples=num_samples))
     tensors = windows_quantizer(path, "rtn", ids, kv_cache_fp8=True).finish()

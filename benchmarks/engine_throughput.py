@@ -43,7 +43,7 @@ NEW_TOKENS = 128
 
 
 def real_prompts(tokenizer, n: int) -> list[list[int]]:
-    from eval.perplexity import tokenize_range
+    from foundation.perplexity import tokenize_range
 
     ids = tokenize_range(tokenizer, "wikipedia:eval", max_tokens=n * PROMPT_TOKENS).tolist()
     return [ids[i * PROMPT_TOKENS:(i + 1) * PROMPT_TOKENS] for i in range(n)]
@@ -82,7 +82,7 @@ def checkpoint_label(path: Path) -> str:
 
 def quantize_w8a8(model_dir: Path, root: Path) -> Path:
     from compress.quantize import quantize_checkpoint
-    from compress.schemes import W8A8
+    from foundation.schemes import W8A8
 
     return quantize_checkpoint(model_dir, root / "w8a8", W8A8, progress=False).out
 
@@ -145,7 +145,7 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    from compress.model_source import resolve_model
+    from foundation.model_source import resolve_model
 
     model_dir = resolve_model(args.model)
     prompts = real_prompts(AutoTokenizer.from_pretrained(model_dir), max(args.concurrency))
@@ -241,7 +241,7 @@ def in_subprocess(args, peer: str, path: Path, dtype: str, concurrency: int, omp
 def measure_single(args) -> int:
     from transformers import AutoTokenizer
 
-    from compress.model_source import resolve_model
+    from foundation.model_source import resolve_model
 
     peer, path, dtype, c = args.single
     prompts = real_prompts(AutoTokenizer.from_pretrained(resolve_model(args.model)), int(c))

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from compress.algorithms.gptq import default_options, gptq_quantize, hessian_from_inputs
-from compress.schemes import default_scheme
+from foundation.schemes import default_scheme
 
 SHAPES = {"q/o_proj": (4096, 4096), "gate/up_proj": (11008, 4096), "down_proj": (4096, 11008)}
 KINDS = ("int4", "fp8")

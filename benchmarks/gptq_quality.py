@@ -2,7 +2,7 @@
 
     python benchmarks/gptq_quality.py [--max-tokens 16384] [--samples 64] [--seq-len 512] [--only ...]
 
-Perplexity: ``eval.perplexity.perplexity`` (fp32, context 512, stride 256) on the first
+Perplexity: ``foundation.perplexity.perplexity`` (fp32, context 512, stride 256) on the first
 ``--max-tokens`` tokens of ``wikipedia:eval``; GPTQ calibrates on ``wikipedia:calib`` (disjoint).
 Our checkpoints are loaded by transformers through compressed-tensors, decompressed at load
 (``CompressedTensorsConfig(dequantize=True)``), so the figures do not depend on kvslim's runtime.
@@ -35,11 +35,11 @@ import torch
 
 from compress.algorithms.gptq import GPTQOptions, with_act_order
 from compress.calibration import CalibrationSpec
-from compress.layer_stream import calibrated_quantizer
-from compress.model_source import resolve_model
 from compress.quantize import quantize_checkpoint
-from compress.schemes import QuantScheme, default_scheme
-from eval.perplexity import DEFAULT_CONTEXT, DEFAULT_STRIDE, hf_logits_fn, perplexity, tokenize_range
+from compress.sequential_quantizer import calibrated_quantizer
+from foundation.model_source import resolve_model
+from foundation.perplexity import DEFAULT_CONTEXT, DEFAULT_STRIDE, hf_logits_fn, perplexity, tokenize_range
+from foundation.schemes import QuantScheme, default_scheme
 
 TEXT = "wikipedia:eval"
 CALIB = "wikipedia:calib"
@@ -93,8 +93,8 @@ def run_fp8_activations_only(src: Path, ids: torch.Tensor) -> dict:
     target)."""
     from transformers import AutoModelForCausalLM
 
-    from compress.activation_quant import LinearInputQuantizer, fake_quantize_fp8_per_token
     from compress.quantize import DEFAULT_IGNORE
+    from foundation.activation_quant import LinearInputQuantizer, fake_quantize_fp8_per_token
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     with LinearInputQuantizer(model, fake_quantize_fp8_per_token, select=lambda name: name not in DEFAULT_IGNORE):

@@ -60,8 +60,8 @@ def main() -> int:
     from attention_variants.convert import ConvertSpec, convert
     from attention_variants.heal import HealSpec, heal
     from attention_variants.summary import load_for_eval
-    from compress.model_source import resolve_model
-    from eval.perplexity import hf_logits_fn, perplexity, tokenize_range
+    from foundation.model_source import resolve_model
+    from foundation.perplexity import hf_logits_fn, perplexity, tokenize_range
 
     source = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(source)

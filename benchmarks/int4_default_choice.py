@@ -11,6 +11,10 @@ dequantized load at context 512, stride 256:
 Loaders: plain ``AutoModelForCausalLM.from_pretrained(dir)`` (compressed-tensors' default route,
 run on a batch), ``CompressedTensorsConfig(dequantize=True)``, and the layers vLLM's Marlin and
 Machete kernels accept (``compress.vllm_compat``). Writes JSON (``--json``).
+
+The rule, fixed before measuring: the default must load with plain ``from_pretrained``; among the
+options that do, the lowest dev-slice perplexity wins, unless another is within 1% of it and
+vLLM's kernels accept more of its layers, which then wins.
 """
 from __future__ import annotations
 
@@ -34,10 +38,10 @@ TUNE_STEPS = 16
 
 def quantize(src: Path, out: Path, group: int, symmetric: bool, calib_ids: torch.Tensor):
     from compress.algorithms.gptq import default_options, with_act_order
-    from compress.layer_stream import windows_quantizer
     from compress.quantize import quantize_checkpoint
     from compress.scale_tuning import ScaleTuningSpec, tune_scales
-    from compress.schemes import default_scheme
+    from compress.sequential_quantizer import windows_quantizer
+    from foundation.schemes import default_scheme
 
     scheme = default_scheme("int4").with_options(group_size=group, symmetric=symmetric)
     options = default_options(scheme)
@@ -79,12 +83,12 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(2)
 
+    from dev_slice import dev_perplexity, dev_slice  # benchmarks/dev_slice.py, beside this script
     from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig
 
-    from dev_slice import dev_perplexity, dev_slice  # benchmarks/dev_slice.py, beside this script
     from compress.calibration import CalibrationSpec, calibration_ids
-    from compress.model_source import resolve_model
-    from eval.perplexity import hf_logits_fn, perplexity, tokenize_range
+    from foundation.model_source import resolve_model
+    from foundation.perplexity import hf_logits_fn, perplexity, tokenize_range
 
     src = resolve_model("smollm2")
     calib = CalibrationSpec()

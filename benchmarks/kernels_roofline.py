@@ -39,8 +39,8 @@ MAX_REL_ERR = 2e-2  # fixed before measuring: max |kernel - reference| / max |re
 
 
 def shapes_from_model(name: str) -> list[tuple[str, int, int]]:
-    from compress.checkpoint import Checkpoint
-    from compress.model_source import resolve_model
+    from foundation.checkpoint import Checkpoint
+    from foundation.model_source import resolve_model
 
     cfg = Checkpoint.open(resolve_model(name)).config
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]

@@ -2,7 +2,7 @@
 
     python benchmarks/quant_quality.py [--max-tokens 16384] [--only fp8,int4_g64_asym]
 
-Perplexity: ``eval.perplexity.perplexity`` (fp32, context 512, stride 256) on the first
+Perplexity: ``foundation.perplexity.perplexity`` (fp32, context 512, stride 256) on the first
 ``--max-tokens`` tokens of ``wikipedia:eval``. Our checkpoints are written by
 ``compress.quantize.quantize_checkpoint`` (RTN) and evaluated by loading them in transformers
 through compressed-tensors, decompressed at load (``CompressedTensorsConfig(dequantize=True)``),
@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
-from compress.model_source import resolve_model
 from compress.quantize import quantize_checkpoint
-from compress.schemes import FP8_DYNAMIC, W4A16, W8A16, QuantScheme
 from compress.summary import totals
-from eval.perplexity import DEFAULT_CONTEXT, DEFAULT_STRIDE, hf_logits_fn, perplexity, tokenize_range
+from foundation.model_source import resolve_model
+from foundation.perplexity import DEFAULT_CONTEXT, DEFAULT_STRIDE, hf_logits_fn, perplexity, tokenize_range
+from foundation.schemes import FP8_DYNAMIC, W4A16, W8A16, QuantScheme
 
 TEXT = "wikipedia:eval"
 RESULTS = Path(__file__).parent / "results" / "quant_quality.json"

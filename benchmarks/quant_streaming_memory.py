@@ -106,7 +106,7 @@ def _rss_anon() -> int:
 
 
 def child(argv: list[str]) -> None:
-    from compress.cli import main
+    from cli.main import main
 
     torch.set_num_threads(2)
     peak = [_rss_anon()]
@@ -151,8 +151,8 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint and outputs")
     args = parser.parse_args()
     from compress.algorithms.gptq import default_options
-    from compress.model_source import resolve_model
-    from compress.schemes import default_scheme
+    from foundation.model_source import resolve_model
+    from foundation.schemes import default_scheme
 
     free = shutil.disk_usage(args.work.parent).free
     print(f"free disk under {args.work.parent}: {free / 2**30:.1f} GiB")

@@ -41,9 +41,9 @@ def _timed(fn, reps: int) -> float:
 
 
 def quantized_checkpoint(source: Path, name: str) -> Path:
-    from compress.model_source import cache_root
     from compress.quantize import quantize_checkpoint
-    from compress.schemes import PRESETS, default_scheme
+    from foundation.model_source import cache_root
+    from foundation.schemes import PRESETS, default_scheme
 
     scheme = default_scheme("int4") if name == "INT4_DEFAULT" else PRESETS[name]
     out = cache_root() / "bench-runtime" / scheme.name / (str(scheme.group_size) if scheme.group_size else "channel")
@@ -110,8 +110,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
-    from compress.model_source import resolve_model
-    from eval.perplexity import tokenize_range
+    from foundation.model_source import resolve_model
+    from foundation.perplexity import tokenize_range
 
     base = resolve_model("smollm2")
     ids = tokenize_range(AutoTokenizer.from_pretrained(base), "wikipedia:eval", max_tokens=PROMPT + 64).tolist()

@@ -39,7 +39,7 @@ def free_port() -> int:
 
 def start_server(argv: list[str], log: Path, timeout_s: float = 300) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "compress.cli", "serve", *argv, "--host", HOST, "--port", str(port),
+    cmd = [sys.executable, "-m", "cli.main", "serve", *argv, "--host", HOST, "--port", str(port),
            "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     url = f"http://{HOST}:{port}"

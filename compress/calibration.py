@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from compress.errors import KvslimError
+from foundation.errors import KvslimError
 
 DEFAULT_CALIB_TEXT = "wikipedia:calib"
 DEFAULT_NUM_SAMPLES = 64
@@ -34,7 +34,7 @@ class CalibrationSpec:
 
     @property
     def is_named_range(self) -> bool:
-        from eval.texts import RANGES
+        from foundation.texts import RANGES
 
         return self.source in RANGES
 
@@ -44,7 +44,7 @@ class CalibrationSpec:
     def check(self) -> None:
         """Validate the source before anything heavy runs (bad range role, missing file)."""
         if self.is_named_range:
-            from eval.texts import text_range
+            from foundation.texts import text_range
 
             role = text_range(self.source).role
             if role != "calib":
@@ -60,7 +60,7 @@ class CalibrationSpec:
     def load_text(self) -> str:
         self.check()
         if self.is_named_range:
-            from eval.texts import load_text
+            from foundation.texts import load_text
 
             return load_text(self.source)
         try:

@@ -6,15 +6,15 @@ from dataclasses import dataclass
 from math import prod
 from pathlib import Path
 
-from attention_variants.layout import AttentionLayout
-from compress.architecture import model_type_of
-from compress.checkpoint import Checkpoint
-from compress.errors import KvslimError
-from compress.quant_spec import QuantSpec
-from compress.schemes import QuantScheme, scheme_from_config_group
-from compress.tensor_shapes import ModelShapes, check_checkpoint, no_quantization
 from compress.transformers_compat import loading_note
 from compress.vllm_compat import KernelVerdict, kernel_verdicts
+from foundation.architecture import model_type_of
+from foundation.attention_layout import AttentionLayout
+from foundation.checkpoint import Checkpoint
+from foundation.errors import KvslimError
+from foundation.quant_spec import QuantSpec
+from foundation.schemes import QuantScheme, scheme_from_config_group
+from foundation.tensor_shapes import ModelShapes, check_checkpoint, no_quantization
 
 # safetensors dtype name -> bytes per element
 DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1,

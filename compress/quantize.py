@@ -24,16 +24,15 @@ from tqdm import tqdm
 
 from compress.algorithms import WeightQuantizer
 from compress.algorithms.rtn import RTN
-from compress.architecture import model_type_of
-from compress.atomic import atomic_output_dir, check_output_dir
-from compress.checkpoint import Checkpoint, ShardWriter, write_config
-from compress.errors import KvslimError
-from compress.primitives import dequantize_linear
-from compress.schemes import QuantScheme
 from compress.summary import TensorStat, tensor_kind
-from compress.tensor_shapes import ModelShapes, check_checkpoint, kv_scale_rules, no_quantization
+from foundation.architecture import PROJECTIONS, model_type_of
+from foundation.atomic import atomic_output_dir, check_output_dir
+from foundation.checkpoint import Checkpoint, ShardWriter, write_config
+from foundation.errors import KvslimError
+from foundation.primitives import dequantize_linear
+from foundation.schemes import QuantScheme
+from foundation.tensor_shapes import ModelShapes, check_checkpoint, kv_scale_rules, no_quantization
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_IGNORE = ("lm_head",)
 # A pending shard is held in memory until it is written, so the shard size bounds the writer's
 # share of peak memory: 7B INT4 GPTQ peaks at 1.92 GiB with 256 MiB shards

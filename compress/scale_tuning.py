@@ -23,16 +23,16 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from compress.calibration import check_ids_in_vocab
-from compress.checkpoint import Checkpoint
-from compress.errors import KvslimError
 from compress.inspection import scheme_of_config
-from compress.primitives import decode_linear, dequantize
-from compress.schemes import QuantScheme
+from foundation.checkpoint import Checkpoint
+from foundation.errors import KvslimError
+from foundation.primitives import decode_linear, dequantize
+from foundation.schemes import QuantScheme
 
 DEFAULT_BATCH_WINDOWS = 4
 DEFAULT_LEARNING_RATE = 1e-3
 _SCALE = "weight_scale"
-# What compress.primitives.encode_linear stores for a quantized Linear.
+# What foundation.primitives.encode_linear stores for a quantized Linear.
 _STORED = ("weight", "weight_packed", "weight_shape", _SCALE, "weight_zero_point", "weight_g_idx")
 
 

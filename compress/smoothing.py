@@ -20,9 +20,9 @@ from typing import Literal
 
 import torch
 
-from compress.checkpoint import Checkpoint
-from compress.errors import KvslimError
 from compress.smoothing_spec import SmoothingSpec
+from foundation.checkpoint import Checkpoint
+from foundation.errors import KvslimError
 
 _CLAMP = 1e-5  # the SmoothQuant reference's floor for both maxima and the factors
 # Normalization layers whose weight multiplies as (1 + w) rather than w.
@@ -167,7 +167,8 @@ class SmoothingReport:
 def input_maxima(ckpt: Checkpoint, ids: torch.Tensor, batch_tokens: int = 2048) -> dict[str, torch.Tensor]:
     """Every Linear input's per-channel ``max |x|`` on calibration windows ``ids`` through the
     original model, one decoder layer in memory at a time."""
-    from compress.layer_stream import LayerStream, LazyDecoderStack
+    from compress.decoder_stack import LazyDecoderStack
+    from compress.layer_stream import LayerStream
 
     stream = LayerStream(LazyDecoderStack(ckpt), ids, batch_tokens=batch_tokens)
     maxima: dict[str, torch.Tensor] = {}

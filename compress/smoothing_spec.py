@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from compress.errors import KvslimError
+from foundation.errors import KvslimError
 
 # Chosen on held-out calibration text (wikipedia:calib after the calibration windows), never on
 # evaluation text: W8A8 RTN on the default model, +2.70% -> +2.30% perplexity on 16,384

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from foundation.architecture import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
+
 BF16_BYTES = 2
 
 
@@ -18,9 +20,9 @@ def tensor_kind(name: str) -> str:
         return "bias"
     if "norm" in last:
         return "norm"
-    if last in ("q_proj", "k_proj", "v_proj", "o_proj"):
+    if last in ATTENTION_PROJECTIONS:
         return "attention linear"
-    if last in ("gate_proj", "up_proj", "down_proj"):
+    if last in MLP_PROJECTIONS:
         return "mlp linear"
     return "other"
 

@@ -10,7 +10,7 @@ format correctly (tests/compress/test_interop.py covers both routes).
 """
 from __future__ import annotations
 
-from compress.schemes import QuantScheme
+from foundation.schemes import QuantScheme
 
 DEQUANTIZE_ROUTE = ("AutoModelForCausalLM.from_pretrained(DIR, "
                     "quantization_config=CompressedTensorsConfig(dequantize=True))")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from compress.schemes import QuantScheme
+from foundation.schemes import QuantScheme
 
 MARLIN_GROUP_SIZES = (None, 32, 64, 128)  # None: per-channel (vLLM's -1)
 MARLIN_MIN_THREAD_N = 64

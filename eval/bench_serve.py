@@ -24,7 +24,7 @@ from typing import Sequence
 
 import httpx
 
-from compress.errors import KvslimError
+from foundation.errors import KvslimError
 
 TEXT_RANGE = "wikipedia:eval"
 
@@ -86,7 +86,7 @@ def percentiles(values: Sequence[float]) -> dict:
 
 def text_requests(tokenizer, num_prompts: int, input_len: int, output_len: int, seed: int) -> list[BenchRequest]:
     """``num_prompts`` windows of ``input_len`` tokens at random offsets in ``wikipedia:eval``."""
-    from eval.texts import load_documents
+    from foundation.texts import load_documents
 
     if input_len < 1 or output_len < 1:
         raise KvslimError("--input-len and --output-len must be positive")
@@ -255,7 +255,7 @@ def bench_serve(base_url: str, num_prompts: int, request_rate: float, max_concur
     else:
         from transformers import AutoTokenizer
 
-        from compress.model_source import resolve_model
+        from foundation.model_source import resolve_model
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_model(tokenizer_source))
         requests = text_requests(tokenizer, num_prompts, input_len, output_len, seed)

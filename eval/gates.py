@@ -7,8 +7,8 @@ from pathlib import Path
 
 import yaml
 
-from compress.errors import KvslimError
 from eval.results_cache import EvalResults, TaskScore
+from foundation.errors import KvslimError
 
 GATES_FILE = Path(__file__).with_name("gates.yaml")
 

@@ -23,7 +23,7 @@ from lm_eval.models.utils import _add_special_kwargs, handle_stop_sequences, has
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from compress.errors import KvslimError
+from foundation.errors import KvslimError
 
 MODEL_NAME = "kvslim"
 # model_args spelling -> the engine's KV dtype name
@@ -55,7 +55,7 @@ class KvslimLM(TemplateLM):
         super().__init__()
         from transformers import AutoTokenizer
 
-        from compress.model_source import resolve_model
+        from foundation.model_source import resolve_model
         from runtime.engine import Engine, EngineConfig
 
         kv = str(kv_cache_dtype).lower()
@@ -181,7 +181,7 @@ class KvslimLM(TemplateLM):
 
     # --- perplexity entries ----------------------------------------------------------------------
     def logits_fn(self, ids: torch.Tensor) -> torch.Tensor:
-        """``eval.perplexity.LogitsFn``: logits ``[1, T, vocab]`` through the paged cache."""
+        """``foundation.perplexity.LogitsFn``: logits ``[1, T, vocab]`` through the paged cache."""
         return self.engine.score(ids.flatten().tolist()).unsqueeze(0)
 
 

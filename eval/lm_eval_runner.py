@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from compress.errors import CheckpointError, KvslimError
-from eval.perplexity import LogitsFn
 from eval.perplexity_task import PERPLEXITY_TASKS, PERPLEXITY_TOKENS, run_perplexity_task
 from eval.results_cache import EvalResults, TaskScore
 from eval.task_pack import LM_EVAL_TASKS, PACK_VERSION, ensure_pack
+from foundation.errors import CheckpointError, KvslimError
+from foundation.perplexity import LogitsFn
 
 # Docs per lm-eval task in a default run (the first N docs of the split). Chosen from measured
 # token counts (SmolLM2 tokenizer, tokens per doc summed over choices: hellaswag 176, arc_easy 133,
@@ -102,7 +102,7 @@ def hf_eval_model(model, tokenizer, batch_size: int) -> EvalModel:
     """lm-eval's own ``hf`` model (and a logits function) over an in-memory transformers model."""
     from lm_eval.api.registry import get_model
 
-    from eval.perplexity import hf_logits_fn
+    from foundation.perplexity import hf_logits_fn
 
     lm = get_model("hf")(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(model.device))
     return EvalModel(lm=lm, logits_fn=hf_logits_fn(model), tokenizer=tokenizer)

@@ -1,4 +1,4 @@
-"""The perplexity entries of the eval pack, computed with the shared :func:`eval.perplexity.perplexity`.
+"""The perplexity entries of the eval pack, computed with the shared :func:`foundation.perplexity.perplexity`.
 
 Each entry is a held-out named text range (``wikipedia:eval``, ``pydoc:eval``), the first
 ``max_tokens`` tokens of it, context 512 / stride 256: the same recipe every kvslim figure uses.
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eval.perplexity import DEFAULT_CONTEXT, DEFAULT_STRIDE, LogitsFn, perplexity, tokenize_range
+from foundation.perplexity import DEFAULT_CONTEXT, DEFAULT_STRIDE, LogitsFn, perplexity, tokenize_range
 
 # 8,192 tokens: the length DATA.md's reference figure (12.52 on pydoc:eval for the default model) uses.
 PERPLEXITY_TOKENS = 8192
@@ -53,7 +53,7 @@ def run_perplexity_task(task: PerplexityTask, logits_fn: LogitsFn, tokenizer, ma
 
 def check_perplexity_tokens(tokenizer, names: list[str], max_tokens: int) -> None:
     """Refuse ``--ppl-tokens`` longer than a requested entry's text (rather than silently scoring less)."""
-    from compress.errors import KvslimError
+    from foundation.errors import KvslimError
 
     for name in names:
         task = PERPLEXITY_TASKS[name]

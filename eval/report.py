@@ -13,8 +13,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from compress.errors import KvslimError
 from eval.perplexity_task import PERPLEXITY_TASKS
+from foundation.errors import KvslimError
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -98,7 +98,7 @@ def decode_tokens_per_s(ckpt: Path, s: ReportSettings, dtype: str) -> tuple[floa
 def _eval_token_ids(ckpt: Path, n: int) -> list[int]:
     from transformers import AutoTokenizer
 
-    from eval.perplexity import tokenize_range
+    from foundation.perplexity import tokenize_range
 
     ids = tokenize_range(AutoTokenizer.from_pretrained(str(ckpt)), "wikipedia:eval", n).tolist()
     if len(ids) < n:
@@ -108,7 +108,7 @@ def _eval_token_ids(ckpt: Path, n: int) -> list[int]:
 
 def measure(name: str, ckpt: Path, s: ReportSettings, use_cache: bool = True) -> CheckpointRow:
     """Every figure of one checkpoint (the eval part is cached by ``compress eval``)."""
-    from compress.commands.eval import _evaluate
+    from eval.cached_evaluation import evaluate_cached
     from eval.lm_eval_runner import EvalPlan
     from runtime.kv_report import has_static_kv_scales, report_variant
 
@@ -116,7 +116,7 @@ def measure(name: str, ckpt: Path, s: ReportSettings, use_cache: bool = True) ->
     kv_dtype = served_kv_dtype(config)
     kv = report_variant(name, config, kv_dtype, s.kv_budget_bytes, s.seq_len, static_scales=has_static_kv_scales(ckpt))
     plan = EvalPlan.make(list(s.tasks), s.limit, s.perplexity_tokens, 8, s.dtype)
-    results, _ = _evaluate(str(ckpt), plan, "kvslim", use_cache)
+    results, _ = evaluate_cached(str(ckpt), plan, "kvslim", use_cache)
     ppl_name = next((t for t in s.tasks if t in PERPLEXITY_TASKS), None)
     ppl = results.scores[ppl_name] if ppl_name else None
     accuracy = {t: sc.value for t, sc in results.scores.items() if t not in PERPLEXITY_TASKS}
@@ -160,7 +160,7 @@ def markdown_table(rows: list[CheckpointRow], s: ReportSettings) -> str:
         f"- KV B/token: the shared formula at {s.seq_len} tokens, in the KV dtype served (the checkpoint's "
         f"kv_cache_scheme, else bf16). KV capacity: {s.seq_len}-token sequences admitted into a "
         f"{s.kv_budget_bytes / GIB:g} GiB paged cache until allocation fails (runtime/kv_report.py).",
-        f"- Perplexity: {rows[0].perplexity_detail or 'not measured'} (eval/perplexity.py, kvslim runtime, "
+        f"- Perplexity: {rows[0].perplexity_detail or 'not measured'} (foundation/perplexity.py, kvslim runtime, "
         f"{s.dtype} activations: each row's dtype is named in brackets after its decode tok/s). "
         + (f"Accuracy: lm-eval 0-shot, {limit}, on kvslim's engine (`--backend kvslim`); "
            f"recovery = mean over tasks of accuracy / {base.name}'s." if tasks else "No lm-eval task."),

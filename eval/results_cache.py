@@ -6,8 +6,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from compress.errors import KvslimError
-from compress.model_source import cache_root
+from foundation.errors import KvslimError
+from foundation.model_source import cache_root
 
 RESULTS_FORMAT = 1
 

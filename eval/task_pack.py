@@ -20,9 +20,9 @@ from pathlib import Path
 
 import yaml
 
-from compress.atomic import atomic_output_dir
-from compress.errors import KvslimError
-from compress.model_source import cache_root
+from foundation.atomic import atomic_output_dir
+from foundation.errors import KvslimError
+from foundation.model_source import cache_root
 
 # Bump when the generated YAMLs change, so an old pack is not reused.
 PACK_VERSION = 1

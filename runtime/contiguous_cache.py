@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from compress.errors import KvslimError
+from foundation.errors import KvslimError
 from runtime.attention_backend import AttentionParams
 from runtime.spec import ModelSpec
 

@@ -19,13 +19,14 @@ import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence as Seq
+from typing import Iterable, Iterator
+from typing import Sequence as Seq
 
 import torch
 
-from attention_variants.layout import AttentionLayout
-from compress.checkpoint import Checkpoint
-from compress.errors import KvslimError
+from foundation.attention_layout import AttentionLayout
+from foundation.checkpoint import Checkpoint
+from foundation.errors import KvslimError
 from runtime.block_manager import BlockManager
 from runtime.kv_cache import KVCache, KVCacheSpec
 from runtime.kv_quant import QUANT_DTYPES
@@ -148,7 +149,7 @@ class Engine:
     @classmethod
     def from_checkpoint(cls, model: str | Path, config: EngineConfig = EngineConfig()) -> "Engine":
         """Load ``model`` (a name ``resolve_model`` knows, or a checkpoint dir) and build an engine."""
-        from compress.model_source import resolve_model
+        from foundation.model_source import resolve_model
         from runtime.loader import load_model
 
         path = resolve_model(str(model))

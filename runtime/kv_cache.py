@@ -21,8 +21,8 @@ from typing import Literal
 
 import torch
 
-from attention_variants.layout import AttentionLayout
-from compress.errors import KvslimError
+from foundation.attention_layout import AttentionLayout
+from foundation.errors import KvslimError
 from runtime.kv_quant import QUANT_DTYPES, dequantize, quantize_per_token_head, quantize_static
 
 KV_DTYPES: dict[str, torch.dtype] = {

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from compress.errors import KvslimError
+from foundation.errors import KvslimError
 
 QUANT_DTYPES: dict[str, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
 QMAX: dict[torch.dtype, float] = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}

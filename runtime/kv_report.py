@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from attention_variants.layout import FULL, KV_SOURCE_KEY, SLIDING, AttentionLayout, LayerAttention
-from compress.errors import KvslimError
+from foundation.attention_layout import FULL, KV_SOURCE_KEY, SLIDING, AttentionLayout, LayerAttention
+from foundation.errors import KvslimError
 from runtime.block_manager import BlockManager, PrefixHit
 from runtime.kv_cache import KV_DTYPES, KVCache, KVCacheSpec
 from runtime.kv_quant import QUANT_DTYPES
@@ -118,7 +118,7 @@ def measure_capacity(spec: KVCacheSpec, num_blocks: tuple[int, ...], seq_len: in
 def has_static_kv_scales(path: str | Path) -> bool:
     """Whether the checkpoint at ``path`` carries per-layer KV scales for every cache owner (then
     the engine quantizes KV with them and allocates no per-token scales)."""
-    from compress.checkpoint import Checkpoint
+    from foundation.checkpoint import Checkpoint
     from runtime.engine import kv_layer_scales
 
     ckpt = Checkpoint.open(path)
@@ -176,7 +176,7 @@ def format_table(reports: list[VariantReport], budget_bytes: int, seq_len: int) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from compress.model_source import resolve_model
+    from foundation.model_source import resolve_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")

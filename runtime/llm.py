@@ -18,8 +18,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from compress.errors import KvslimError
-from compress.model_source import resolve_model
+from foundation.errors import KvslimError
+from foundation.model_source import resolve_model
 from runtime.contiguous_cache import ContiguousKVCache
 from runtime.engine import MODEL_KV_DTYPES, Engine, EngineConfig
 from runtime.engine import RequestOutput as EngineOutput

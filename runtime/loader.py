@@ -1,7 +1,7 @@
 """Checkpoint directory -> ``Decoder``: config.json and safetensors only, never code or pickles.
 
 Before anything is built, every tensor the config implies is checked against the safetensors
-headers (``compress.tensor_shapes``: present, dtype, shape, packed layout of the declared scheme),
+headers (``foundation.tensor_shapes``: present, dtype, shape, packed layout of the declared scheme),
 so a damaged checkpoint is refused with one line naming the tensor, not on its first forward.
 Each Linear is built from its tensors and the scheme ``quantization_config`` declares for it
 (``runtime.layers.linear.make_linear``). Every tensor of the checkpoint must be used: a leftover
@@ -15,9 +15,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from compress.checkpoint import Checkpoint
-from compress.errors import CheckpointError
-from compress.tensor_shapes import ModelShapes, check_tensors, check_understood, expected_tensors, kv_cache_scheme_of
+from foundation.checkpoint import Checkpoint
+from foundation.errors import CheckpointError
+from foundation.tensor_shapes import ModelShapes, check_tensors, check_understood, expected_tensors, kv_cache_scheme_of
 from runtime.layers.activation_dtype import choose_activation_dtype
 from runtime.layers.fused_linear import FusedLinear, SeparateLinears, in_features, out_features, stack_linear_tensors
 from runtime.layers.linear import make_linear

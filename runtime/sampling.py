@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compress.errors import KvslimError
+from foundation.errors import KvslimError
 
 
 @dataclass(frozen=True)

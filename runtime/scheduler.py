@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from compress.errors import KvslimError
+from foundation.errors import KvslimError
 from runtime.block_manager import BlockManager
 from runtime.sequence import Sequence, SequenceStatus
 

@@ -1,7 +1,7 @@
 """ModelSpec: everything the generic decoder needs to know, read from a checkpoint's config.json.
 
 One frozen description covers Llama, Qwen2, Qwen3, Mistral and Gemma 3 (text). The attention
-part (heads, per-layer window, KV source) is ``attention_variants.layout.AttentionLayout``; the
+part (heads, per-layer window, KV source) is ``foundation.attention_layout.AttentionLayout``; the
 rest are the family differences the decoder switches on (biases, q/k norms, Gemma's norm offset,
 embedding scale, sandwich norms, per-layer rope, logit softcaps) and the declared weight
 quantization (``QuantSpec``).
@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from attention_variants.layout import FULL, SLIDING, AttentionLayout
-from compress.architecture import model_type_of
-from compress.errors import CheckpointError, KvslimError
-from compress.quant_spec import QuantGroup, QuantSpec  # noqa: F401 (QuantGroup: re-exported)
-from compress.tensor_shapes import ModelShapes
+from foundation.architecture import model_type_of
+from foundation.attention_layout import FULL, SLIDING, AttentionLayout
+from foundation.errors import CheckpointError, KvslimError
+from foundation.quant_spec import QuantGroup, QuantSpec  # noqa: F401 (QuantGroup: re-exported)
+from foundation.tensor_shapes import ModelShapes
 from runtime.attention_backend import AttentionParams
 
 # Activations the MLP supports (HF names).

@@ -37,7 +37,7 @@ def tiny_llama(tiny_checkpoints):
 @pytest.fixture(scope="session")
 def default_model_dir():
     """The real default model (SmolLM2-135M-Instruct, dequantized GGUF), converted once and cached."""
-    from compress.model_source import resolve_model
+    from foundation.model_source import resolve_model
 
     return resolve_model("smollm2")
 

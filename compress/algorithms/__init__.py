@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from compress.schemes import QuantScheme
+from foundation.schemes import QuantScheme
 
 
 class WeightQuantizer(Protocol):
@@ -24,7 +24,7 @@ class WeightQuantizer(Protocol):
         """Return the tensors compressed-tensors stores for ``module`` (e.g.
         ``model.layers.0.self_attn.q_proj``), keyed relative to it: ``weight`` or
         ``weight_packed`` + ``weight_shape``, ``weight_scale``, optional ``weight_zero_point`` /
-        ``weight_g_idx`` (see ``compress.primitives.encode_linear``)."""
+        ``weight_g_idx`` (see ``foundation.primitives.encode_linear``)."""
         ...
 
     def finish(self) -> dict[str, torch.Tensor]:

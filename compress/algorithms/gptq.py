@@ -16,7 +16,7 @@ original order and their scales are fixed up front from the original weight: com
 ``actorder: "group"`` and its ``weight_g_idx``: its config validator rejects it, so kvslim does not
 write it.)
 
-The stored tensors are exactly those RTN stores (``compress.primitives.encode_linear``), so the
+The stored tensors are exactly those RTN stores (``foundation.primitives.encode_linear``), so the
 output loads the same way.
 """
 from __future__ import annotations
@@ -28,9 +28,9 @@ from typing import Literal
 import torch
 from scipy.linalg import lapack
 
-from compress.errors import KvslimError
-from compress.primitives import dequantize, encode_linear, qparams_from_range, quantize
-from compress.schemes import QuantScheme
+from foundation.errors import KvslimError
+from foundation.primitives import dequantize, encode_linear, qparams_from_range, quantize
+from foundation.schemes import QuantScheme
 
 DEFAULT_DAMPENING = 0.01
 DEFAULT_BLOCK_SIZE = 128
@@ -220,7 +220,7 @@ def gptq_quantize(
 
 class _ColumnGrid:
     """One group's quantization grid applied to single columns, with exactly the arithmetic of
-    ``compress.primitives.quantize`` / ``dequantize`` (so the stored values decode to ``dq``)."""
+    ``foundation.primitives.quantize`` / ``dequantize`` (so the stored values decode to ``dq``)."""
 
     def __init__(self, group: int, scale: torch.Tensor, zero: torch.Tensor | None, scheme: QuantScheme) -> None:
         self.group = group

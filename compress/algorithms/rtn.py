@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from compress.primitives import compute_qparams, encode_linear, quantize
-from compress.schemes import QuantScheme
+from foundation.primitives import compute_qparams, encode_linear, quantize
+from foundation.schemes import QuantScheme
 
 
 class RTN:

@@ -17,7 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from compress.errors import KvslimError
+from foundation.errors import KvslimError
 from runtime.kernels.paged_attention import attention_num_warps
 
 SM90 = ("cuda", 90, 32)  # backend, compute capability, warp size

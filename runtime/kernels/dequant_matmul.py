@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from compress.activation_quant import quantize_fp8_per_token
-from compress.errors import KvslimError
+from foundation.activation_quant import quantize_fp8_per_token
+from foundation.errors import KvslimError
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -11,7 +11,7 @@ from typing import Literal
 
 import torch
 
-from compress.errors import KvslimError
+from foundation.errors import KvslimError
 from runtime.kernels import dequant_matmul as dm
 from runtime.kernels import kv_store as kvs
 from runtime.kernels import paged_attention as pa

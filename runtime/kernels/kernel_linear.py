@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from compress.schemes import QuantScheme
+from foundation.schemes import QuantScheme
 from runtime.kernels.dispatch import WeightScheme, quantized_linear
 
 TENSOR_NAMES = ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx")

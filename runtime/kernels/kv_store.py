@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from compress.errors import KvslimError
+from foundation.errors import KvslimError
 from runtime import kv_quant
 from runtime.kv_quant import QMAX
 

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from compress.errors import KvslimError
+from foundation.errors import KvslimError
 from runtime.attention_backend import reference_attention
 from runtime.kernels.kv_store import check_kv_cache, check_kv_scales, reference_dequantize_kv
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from compress.errors import KvslimError
-from compress.schemes import QuantScheme
+from foundation.errors import KvslimError
+from foundation.schemes import QuantScheme
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 AUTO = "auto"

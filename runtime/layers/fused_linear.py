@@ -13,8 +13,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from compress.primitives import FP8_DTYPE, decode_linear, encode_linear
-from compress.schemes import QuantScheme
+from foundation.primitives import FP8_DTYPE, decode_linear, encode_linear
+from foundation.schemes import QuantScheme
 
 
 class FusedLinear(nn.Module):

@@ -10,7 +10,7 @@
   fake-quantize + dequantize reference path.
 - ``PackedIntLinear``: ``pack-quantized`` INT4 / INT8 (W4A16, W8A16, symmetric or not, group or
   channel, act-order). Keeps the on-disk int32 words and dequantizes per forward with
-  ``compress.primitives.dequantize_linear`` (bit-identical to compressed-tensors).
+  ``foundation.primitives.dequantize_linear`` (bit-identical to compressed-tensors).
 - ``Int8PackLinear`` / ``Int4PackLinear``: the same weights repacked for torch's CPU weight-only
   kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``), used with bf16
   activations, where they beat dequantize-then-matmul; same bytes as the packed weights.
@@ -24,10 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compress.activation_quant import fake_quantize_fp8_per_token, fake_quantize_int8_per_token, quantize_int8_per_token
-from compress.errors import CheckpointError
-from compress.primitives import FP8_DTYPE, decode_linear, dequantize_linear
-from compress.schemes import QuantScheme
+from foundation.activation_quant import (
+    fake_quantize_fp8_per_token,
+    fake_quantize_int8_per_token,
+    quantize_int8_per_token,
+)
+from foundation.errors import CheckpointError
+from foundation.primitives import FP8_DTYPE, decode_linear, dequantize_linear
+from foundation.schemes import QuantScheme
 
 INT4_KERNEL_GROUPS = (32, 64, 128, 256)
 

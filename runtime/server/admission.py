@@ -8,7 +8,6 @@ it ends (finished, aborted by a client disconnect, or failed).
 from __future__ import annotations
 
 
-
 class Rejection(Exception):
     """A request refused with an HTTP status and an OpenAI error body."""
 

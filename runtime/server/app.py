@@ -21,17 +21,35 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from compress.errors import KvslimError
+from foundation.errors import KvslimError
 from runtime.sampling import SamplingParams, TokenLogprob
 from runtime.server.admission import Admission, Rejection
 from runtime.server.detokenizer import Detokenizer
 from runtime.server.engine_client import EngineClient
 from runtime.server.metrics import KVFootprint, RequestTimer, ServerMetrics
 from runtime.server.protocol import (
-    AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-    ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
-    CompletionRequest, CompletionResponse, DeltaMessage, ErrorResponse, ModelCard, ModelList, TopLogprob,
-    UsageInfo, error_body, new_id, now, sse,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TopLogprob,
+    UsageInfo,
+    error_body,
+    new_id,
+    now,
+    sse,
 )
 
 OPEN_PATHS = frozenset({"/health"})  # reachable without the API key

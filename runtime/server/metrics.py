@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from attention_variants.layout import AttentionLayout
+from foundation.attention_layout import AttentionLayout
 from runtime.server.engine_client import EngineSnapshot
 
 PREFIX = "kvslim"

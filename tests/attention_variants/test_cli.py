@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from compress.cli import main
+from cli.main import main
 from tests.tiny_models import make_tiny_checkpoint
 
 

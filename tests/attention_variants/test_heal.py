@@ -7,12 +7,19 @@ import torch
 from safetensors.torch import load_file
 
 from attention_variants.convert import ConvertSpec, convert
-from attention_variants.heal import (MERGED_KV_LR, SHARED_KV_LR, HealSpec, default_lr, distill_loss, heal,
-                                     hidden_state_loss)
+from attention_variants.heal import (
+    MERGED_KV_LR,
+    SHARED_KV_LR,
+    HealSpec,
+    default_lr,
+    distill_loss,
+    heal,
+    hidden_state_loss,
+)
 from attention_variants.summary import load_for_eval
-from compress.cli import main
-from compress.errors import KvslimError
-from eval.perplexity import hf_logits_fn, perplexity
+from cli.main import main
+from foundation.errors import KvslimError
+from foundation.perplexity import hf_logits_fn, perplexity
 from tests.tiny_models import make_tiny_checkpoint
 
 SPEC = HealSpec(steps=6, seq_len=64, batch_size=2, lr=3e-3, warmup_steps=2, save_every=100)
@@ -21,7 +28,7 @@ SPEC = HealSpec(steps=6, seq_len=64, batch_size=2, lr=3e-3, warmup_steps=2, save
 @pytest.fixture(scope="module")
 def heal_text(tmp_path_factory):
     """A slice of wikipedia:heal as a file (tokenizing the whole range each run is slow)."""
-    from eval.texts import load_text
+    from foundation.texts import load_text
 
     path = tmp_path_factory.mktemp("text") / "heal.txt"
     path.write_text(load_text("wikipedia:heal")[:20000])
@@ -45,7 +52,7 @@ def pair(tmp_path_factory, default_model_dir):
 def _eval_ids(path, n=256):
     from transformers import AutoTokenizer
 
-    from eval.texts import load_documents
+    from foundation.texts import load_documents
 
     text = load_documents("wikipedia:eval")[0]
     return AutoTokenizer.from_pretrained(path)(text, add_special_tokens=False, return_tensors="pt")["input_ids"][:, :n]

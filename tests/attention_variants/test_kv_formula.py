@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from attention_variants.convert import ConvertSpec
-from attention_variants.layout import AttentionLayout
 from attention_variants.summary import load_for_eval
+from foundation.attention_layout import AttentionLayout
 from tests.attention_variants.helpers import config_of, convert_tiny
 
 SPECS = {

@@ -3,8 +3,8 @@ import torch
 
 from attention_variants.convert import ConvertSpec
 from attention_variants.kv_sharing import _best_groups, kv_groups
-from attention_variants.layout import KV_SOURCE_KEY
 from attention_variants.projections import proj_key
+from foundation.attention_layout import KV_SOURCE_KEY
 from tests.attention_variants.helpers import config_of, convert_tiny, edit_checkpoint, logits
 
 IDS = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(0))

@@ -1,7 +1,11 @@
 import shutil
 
 from attention_variants.modeling_files import (
-    MODELING_DIR, MODELING_FILE, checkpoint_code_is_ours, is_our_modeling_file, known_modeling_hashes,
+    MODELING_DIR,
+    MODELING_FILE,
+    checkpoint_code_is_ours,
+    is_our_modeling_file,
+    known_modeling_hashes,
 )
 
 

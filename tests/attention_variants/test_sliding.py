@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from attention_variants.convert import ConvertSpec
-from attention_variants.layout import FULL, SLIDING
 from attention_variants.sliding import global_layers_every
+from foundation.attention_layout import FULL, SLIDING
 from tests.attention_variants.helpers import config_of, convert_tiny, logits
 
 IDS = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(0))

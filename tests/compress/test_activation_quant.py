@@ -4,13 +4,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compress.activation_quant import activation_fake_quantizer, fake_quantize_fp8_per_token, fake_quantize_int8_per_token
 from compress.algorithms.gptq import GPTQOptions
-from compress.checkpoint import Checkpoint
+from compress.decoder_stack import LazyDecoderStack
 from compress.kv_scales import KV_CACHE_SCHEME, KVScaleObserver
-from compress.layer_stream import SINK_WEIGHT, LayerStream, LazyDecoderStack, SequentialQuantizer
+from compress.layer_stream import SINK_WEIGHT, LayerStream
 from compress.quantize import quantize_checkpoint
-from compress.schemes import FP8_DYNAMIC, W8A8, W8A16, ActivationQuant
+from compress.sequential_quantizer import SequentialQuantizer
+from foundation.activation_quant import (
+    activation_fake_quantizer,
+    fake_quantize_fp8_per_token,
+    fake_quantize_int8_per_token,
+)
+from foundation.checkpoint import Checkpoint
+from foundation.schemes import FP8_DYNAMIC, W8A8, W8A16, ActivationQuant
 from tests.compress.calib_tokens import zipf_ids
 from tests.compress.test_layer_stream import in_memory_quantize
 

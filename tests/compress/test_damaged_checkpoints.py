@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compress.cli import main
+from cli.main import main
 from compress.quantize import quantize_checkpoint
-from compress.schemes import FP8_DYNAMIC, W8A16, default_scheme
+from foundation.schemes import FP8_DYNAMIC, W8A16, default_scheme
 from tests.tiny_models import damaged_copy
 
 
@@ -122,7 +122,7 @@ def test_quantize_refuses_a_damaged_source_before_writing(drop, put, needle, fla
 
 
 def test_quantize_library_call_refuses_before_writing(tiny_checkpoints, tmp_path):
-    from compress.errors import CheckpointError
+    from foundation.errors import CheckpointError
 
     bad = damaged_copy(tiny_checkpoints["llama"], tmp_path / "src", drop=(f"{LAYER}.weight",))
     with pytest.raises(CheckpointError, match=f"missing tensor {LAYER}.weight"):

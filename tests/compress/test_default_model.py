@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compress.checkpoint import Checkpoint
-from compress.cli import main
-from compress.primitives import dequantize_linear
-from compress.schemes import default_scheme
+from cli.main import main
+from foundation.checkpoint import Checkpoint
+from foundation.primitives import dequantize_linear
+from foundation.schemes import default_scheme
 
 pytestmark = pytest.mark.slow
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 def test_int4_default_on_default_model(default_model_dir, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig
 
-    from eval.perplexity import hf_logits_fn, perplexity, tokenize_range
+    from foundation.perplexity import hf_logits_fn, perplexity, tokenize_range
 
     out = tmp_path / "int4"
     assert main(["quantize", str(default_model_dir), "--int4", "-o", str(out), "--no-progress"]) == 0

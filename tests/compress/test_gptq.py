@@ -18,12 +18,14 @@ from compress.algorithms.gptq import (
     hessian_from_inputs,
     with_act_order,
 )
-from compress.checkpoint import Checkpoint
-from compress.errors import KvslimError
-from compress.layer_stream import SINK_WEIGHT, HessianCollector, LayerStream, LazyDecoderStack, SequentialQuantizer
-from compress.primitives import dequantize_linear, quantize_dequantize
+from compress.decoder_stack import LazyDecoderStack
+from compress.layer_stream import SINK_WEIGHT, HessianCollector, LayerStream
 from compress.quantize import quantize_checkpoint
-from compress.schemes import FP8_DYNAMIC, W4A16, W4A16_ASYM, W8A8, W8A16, default_scheme
+from compress.sequential_quantizer import SequentialQuantizer
+from foundation.checkpoint import Checkpoint
+from foundation.errors import KvslimError
+from foundation.primitives import dequantize_linear, quantize_dequantize
+from foundation.schemes import FP8_DYNAMIC, W4A16, W4A16_ASYM, W8A8, W8A16, default_scheme
 from tests.compress.calib_tokens import zipf_ids
 
 SCHEMES = [W4A16, W4A16_ASYM, W8A16, FP8_DYNAMIC, W8A16.with_options(group_size=32, symmetric=False)]
@@ -186,7 +188,7 @@ def test_act_order_is_recorded_for_every_written_format(scheme):
 
 def test_mse_observer_lowers_weight_error_and_decodes_exactly():
     from compress.algorithms.gptq import mse_range
-    from compress.primitives import qparams_from_range
+    from foundation.primitives import qparams_from_range
 
     torch.manual_seed(0)
     w = torch.distributions.StudentT(3.0).sample((64, 32))  # heavy tails: min-max wastes levels

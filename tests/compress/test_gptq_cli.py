@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from compress.cli import main
-from compress.checkpoint import Checkpoint
+from cli.main import main
+from foundation.checkpoint import Checkpoint
 
 
 def test_gptq_cli_end_to_end(tiny_with_tokenizer, tmp_path, capsys):
@@ -107,11 +107,11 @@ def test_fp8_gptq_defaults_to_plain_order_and_minmax(tiny_with_tokenizer, tmp_pa
 def test_calibration_applies_the_served_activation_quantization(kind, acts, tiny_with_tokenizer, tmp_path, monkeypatch):
     """FP8_DYNAMIC and W8A8 calibrate on the quantized inputs they are served; weight-only schemes
     on plain inputs."""
-    import compress.layer_stream as layer_stream
+    import compress.sequential_quantizer as sequential_quantizer
 
     seen = []
-    real = layer_stream.windows_quantizer
-    monkeypatch.setattr(layer_stream, "windows_quantizer",
+    real = sequential_quantizer.windows_quantizer
+    monkeypatch.setattr(sequential_quantizer, "windows_quantizer",
                         lambda *a, **kw: seen.append(kw.get("activations")) or real(*a, **kw))
     assert main(["quantize", str(tiny_with_tokenizer), kind, "--method", "gptq", "--num-calib-samples", "2",
                  "--calib-seq-len", "32", "-o", str(tmp_path / "a"), "--no-progress"]) == 0

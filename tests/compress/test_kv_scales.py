@@ -10,11 +10,13 @@ import transformers
 from compressed_tensors import __version__ as ct_version
 from compressed_tensors.quantization.lifecycle.initialize import is_cached_attention_module
 
-from compress.checkpoint import Checkpoint
+from compress.decoder_stack import LazyDecoderStack
 from compress.kv_scales import FP8_E4M3_MAX, KV_CACHE_SCHEME, KVScaleObserver, kv_scale_tensors
-from compress.layer_stream import LayerStream, LazyDecoderStack, SequentialQuantizer
+from compress.layer_stream import LayerStream
 from compress.quantize import quantize_checkpoint
-from compress.schemes import FP8_DYNAMIC
+from compress.sequential_quantizer import SequentialQuantizer
+from foundation.checkpoint import Checkpoint
+from foundation.schemes import FP8_DYNAMIC
 from tests.compress.calib_tokens import zipf_ids
 
 
@@ -76,7 +78,7 @@ def test_finish_refuses_when_a_layer_never_writes_its_cache(tiny_llama, monkeypa
     """A decoder layer that ignores the cache it is given (as transformers 5.24's layers ignored
     ``past_key_values``) leaves the observer empty: refused, not written as missing scales."""
     import compress.layer_stream as layer_stream
-    from compress.errors import KvslimError
+    from foundation.errors import KvslimError
 
     monkeypatch.setattr(layer_stream, "_cache_keyword", lambda layer, recorded: "not_a_cache_argument")
     stream = LayerStream(LazyDecoderStack(Checkpoint.open(tiny_llama)), zipf_ids(2, 16, seed=3))
@@ -95,7 +97,7 @@ def test_every_layer_is_observed_through_the_real_cache_argument(tiny_checkpoint
 
 
 def test_declared_kv_scheme_without_scales_is_refused_before_writing(tiny_llama, tmp_path):
-    from compress.errors import KvslimError
+    from foundation.errors import KvslimError
 
     with pytest.raises(KvslimError, match="kv_cache_scheme is declared but 8 of 8 KV-cache scales"):
         quantize_checkpoint(tiny_llama, tmp_path / "out", FP8_DYNAMIC, progress=False, kv_cache_scheme=KV_CACHE_SCHEME)
@@ -103,7 +105,7 @@ def test_declared_kv_scheme_without_scales_is_refused_before_writing(tiny_llama,
 
 
 def test_inspect_flags_a_declared_kv_scheme_without_scales(tiny_llama, tmp_path, capsys):
-    from compress.cli import main
+    from cli.main import main
 
     stream = LayerStream(LazyDecoderStack(Checkpoint.open(tiny_llama)), zipf_ids(2, 16, seed=3))
     quantizer = SequentialQuantizer(stream, "rtn", kv_observer=KVScaleObserver())

@@ -9,13 +9,13 @@ import torch
 from safetensors.torch import save_file
 
 from compress.algorithms.gptq import GPTQOptions
-from compress.checkpoint import Checkpoint
+from compress.decoder_stack import LazyDecoderStack, ResidentDecoderStack, layer_of_module
 from compress.kv_scales import KV_CACHE_SCHEME, KVScaleObserver
-from compress.layer_stream import (
-    LayerStream, LazyDecoderStack, ResidentDecoderStack, SequentialQuantizer, layer_of_module,
-)
+from compress.layer_stream import LayerStream
 from compress.quantize import DEFAULT_IGNORE, plan_linears, quantize_checkpoint
-from compress.schemes import W4A16_ASYM
+from compress.sequential_quantizer import SequentialQuantizer
+from foundation.checkpoint import Checkpoint
+from foundation.schemes import W4A16_ASYM
 from tests.compress.calib_tokens import zipf_ids
 
 

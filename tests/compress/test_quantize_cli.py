@@ -3,15 +3,13 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
-import torch
 
-from compress.checkpoint import Checkpoint
-from compress.cli import main
+from cli.main import main
 from compress.quantize import quantization_config
-from compress.schemes import FP8_DYNAMIC, FP8_W8A16, W4A16_ASYM, W8A8, W8A16
+from foundation.checkpoint import Checkpoint
+from foundation.schemes import FP8_DYNAMIC, FP8_W8A16, W4A16_ASYM, W8A8, W8A16
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:

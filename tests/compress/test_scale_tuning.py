@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compress.checkpoint import Checkpoint
-from compress.cli import main
-from compress.errors import KvslimError
+from cli.main import main
 from compress.quantize import quantize_checkpoint
 from compress.scale_tuning import ScaleTuningSpec, tune_scales
-from compress.schemes import default_scheme
+from foundation.checkpoint import Checkpoint
+from foundation.errors import KvslimError
+from foundation.schemes import default_scheme
 from tests.compress.calib_tokens import zipf_ids
 
 

@@ -10,13 +10,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from compress.checkpoint import Checkpoint
-from compress.cli import main
-from compress.errors import KvslimError
+from cli.main import main
 from compress.quantize import quantize_checkpoint
-from compress.schemes import default_scheme
 from compress.smoothing import input_maxima, smooth_checkpoint, smoothed, smoothing_sites
 from compress.smoothing_spec import SmoothingSpec
+from foundation.checkpoint import Checkpoint
+from foundation.errors import KvslimError
+from foundation.schemes import default_scheme
 from tests.compress.calib_tokens import zipf_ids
 from tests.compress.test_gptq_cli import bad
 from tests.runtime.hf_oracle import hf_logits, hf_model, runtime_logits

@@ -1,8 +1,8 @@
 """vLLM kernel-fit rules on the default model's shapes (hidden 576, intermediate 1536)."""
 from __future__ import annotations
 
-from compress.schemes import FP8_DYNAMIC, W4A16, W4A16_ASYM, W8A16
-from compress.vllm_compat import machete, marlin, fp8_scaled_mm, kernel_verdicts
+from compress.vllm_compat import fp8_scaled_mm, kernel_verdicts, machete, marlin
+from foundation.schemes import FP8_DYNAMIC, W4A16, W4A16_ASYM, W8A16
 
 
 def test_marlin_needs_input_multiple_of_128():
@@ -34,8 +34,8 @@ def test_fp8_alignment():
 
 
 def test_int8_w8a8_alignment():
-    from compress.schemes import W8A8
     from compress.vllm_compat import int8_scaled_mm
+    from foundation.schemes import W8A8
 
     assert int8_scaled_mm(W8A8, 576, 192).ok
     assert not int8_scaled_mm(W8A8, 576, 100).ok

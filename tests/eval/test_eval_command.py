@@ -4,7 +4,7 @@ import shutil
 import pytest
 import torch
 
-from compress.cli import main
+from cli.main import main
 from eval import results_cache
 
 TINY_ARGS = ["--tasks", "arc_easy,boolq", "ppl_pydoc", "--limit", "4", "--ppl-tokens", "300", "--batch-size", "4"]

@@ -1,9 +1,9 @@
 """Recovery gates: thresholds from gates.yaml, only tasks with signal are gated."""
 import pytest
 
-from compress.errors import KvslimError
 from eval.gates import GATES_FILE, GateConfig, all_passed, check_gates, recovery
 from eval.results_cache import EvalResults, TaskScore
+from foundation.errors import KvslimError
 
 SETTINGS = {"tasks": ["arc_easy", "winogrande", "ppl_pydoc"], "limits": {"arc_easy": 100, "winogrande": 100}}
 

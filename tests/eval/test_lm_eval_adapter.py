@@ -6,7 +6,7 @@ import torch
 from lm_eval.api.instance import Instance
 
 from eval.lm_eval_adapter import KvslimLM, register
-from eval.texts import load_text
+from foundation.texts import load_text
 from tests.tiny_models import make_tiny_checkpoint
 
 TOLERANCE_NATS = 1e-4
@@ -86,7 +86,7 @@ def test_generate_until_matches_hf(lms):
 
 
 def test_bad_kv_dtype(tiny_real_vocab):
-    from compress.errors import KvslimError
+    from foundation.errors import KvslimError
 
     with pytest.raises(KvslimError, match="kv_cache_dtype"):
         KvslimLM(pretrained=str(tiny_real_vocab), kv_cache_dtype="fp4")
@@ -98,7 +98,7 @@ def test_cli_entry_point_registers_then_hands_over(monkeypatch):
     import lm_eval.__main__
     from lm_eval.api.registry import get_model
 
-    from eval import lm_eval_cli
+    from cli import lm_eval as lm_eval_cli
 
     seen = []
     monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: seen.append((get_model("kvslim"), get_model("hf").__name__)))
@@ -108,7 +108,7 @@ def test_cli_entry_point_registers_then_hands_over(monkeypatch):
 
 def test_compress_eval_backend_kvslim_agrees_with_hf(tiny_real_vocab, tmp_path, monkeypatch, capsys):
     """`compress eval --backend kvslim`: the same task accuracy and perplexity as the hf backend."""
-    from compress.cli import main
+    from cli.main import main
     from eval import results_cache
 
     monkeypatch.setattr(results_cache, "results_dir", lambda: tmp_path / "results")

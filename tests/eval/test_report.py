@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from compress.cli import main
+from cli.main import main
 from eval import results_cache
 from tests.tiny_models import make_tiny_checkpoint
 

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from compress.errors import KvslimError
+from foundation.errors import KvslimError
 from runtime.attention_backend import reference_attention
 from runtime.contiguous_cache import ContiguousKVCache
 from runtime.spec import ModelSpec

@@ -11,7 +11,7 @@ import torch
 
 from attention_variants.convert import ConvertSpec, convert
 from compress.quantize import quantize_checkpoint
-from compress.schemes import PRESETS, W4A16
+from foundation.schemes import PRESETS, W4A16
 from runtime.layers.fused_linear import FusedLinear, SeparateLinears, stack_linear_tensors
 from runtime.layers.linear import make_linear
 from runtime.loader import load_model
@@ -91,7 +91,7 @@ def test_fused_quantized_model_logits_equal_unfused(tiny_checkpoints, tmp_path, 
 def test_parts_with_different_input_widths_are_a_checkpoint_error(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from compress.errors import CheckpointError
+    from foundation.errors import CheckpointError
     from tests.tiny_models import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(tmp_path / "tiny", "llama")

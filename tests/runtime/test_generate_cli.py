@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from compress.cli import main
+from cli.main import main
 from runtime.llm import LLM
 from runtime.sampling import SamplingParams
 from tests.runtime.hf_oracle import single_thread  # noqa: F401

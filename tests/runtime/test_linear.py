@@ -14,14 +14,21 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from compress.checkpoint import Checkpoint
-from compress.primitives import compute_qparams, dequantize_linear, encode_linear, quantize
 from compress.quantize import quantize_checkpoint
-from compress.errors import CheckpointError
-from compress.schemes import FP8_DYNAMIC, FP8_W8A16, PRESETS, W4A16, W4A16_ASYM, W8A8, W8A16
+from foundation.checkpoint import Checkpoint
+from foundation.errors import CheckpointError
+from foundation.primitives import compute_qparams, dequantize_linear, encode_linear, quantize
+from foundation.schemes import FP8_DYNAMIC, FP8_W8A16, PRESETS, W4A16, W4A16_ASYM, W8A8, W8A16
 from runtime.layers.linear import (
-    Fp8Linear, Int4PackLinear, Int8PackLinear, PackedIntLinear, W8A8Linear, fake_quantize_fp8_per_token,
-    fake_quantize_int8_per_token, make_linear, quantize_int8_per_token,
+    Fp8Linear,
+    Int4PackLinear,
+    Int8PackLinear,
+    PackedIntLinear,
+    W8A8Linear,
+    fake_quantize_fp8_per_token,
+    fake_quantize_int8_per_token,
+    make_linear,
+    quantize_int8_per_token,
 )
 from runtime.loader import live_weight_bytes, load_model
 from tests.runtime.hf_oracle import hf_logits, hf_model, runtime_logits, single_thread  # noqa: F401

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from compress.errors import CheckpointError, KvslimError, UnsupportedArchitecture
+from foundation.errors import CheckpointError, KvslimError, UnsupportedArchitecture
 from runtime.llm import LLM
 from runtime.sampling import SamplingParams
 from tests.runtime.hf_oracle import assert_greedy_matches_hf, hf_logits, hf_model, single_thread  # noqa: F401

@@ -7,10 +7,10 @@ import socket
 import pytest
 import torch
 
-from compress.cli import main
-from compress.errors import CheckpointError
+from cli.main import main
 from compress.quantize import quantize_checkpoint
-from compress.schemes import W8A16, default_scheme
+from foundation.errors import CheckpointError
+from foundation.schemes import W8A16, default_scheme
 from runtime.loader import load_model
 from tests.tiny_models import damaged_copy
 

@@ -9,16 +9,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compress.checkpoint import Checkpoint
-from compress.model_source import resolve_model
 from compress.quantize import quantize_checkpoint
-from compress.schemes import default_scheme
-from eval.texts import load_text
+from foundation.checkpoint import Checkpoint
+from foundation.model_source import resolve_model
+from foundation.schemes import default_scheme
+from foundation.texts import load_text
 from runtime.llm import LLM
 from runtime.loader import live_weight_bytes, load_model
 from runtime.sampling import SamplingParams
 from tests.runtime.hf_oracle import (  # noqa: F401
-    assert_greedy_matches_hf, hf_logits, hf_model, runtime_logits, single_thread,
+    assert_greedy_matches_hf,
+    hf_logits,
+    hf_model,
+    runtime_logits,
+    single_thread,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]

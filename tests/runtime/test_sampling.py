@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compress.errors import KvslimError
+from foundation.errors import KvslimError
 from runtime.sampling import SamplingParams, find_stop, make_generator, sample
 
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from compress.errors import KvslimError, UnsupportedArchitecture
+from foundation.errors import KvslimError, UnsupportedArchitecture
 from runtime.spec import ModelSpec
 
 

@@ -3,7 +3,7 @@ batch of 16 mixed-length requests with prefix hits and preemptions, and FP8 KV p
 import pytest
 import torch
 
-from eval.perplexity import perplexity, tokenize_range
+from foundation.perplexity import perplexity, tokenize_range
 from runtime.engine import Engine, EngineConfig
 from runtime.llm import LLM
 from runtime.sampling import SamplingParams

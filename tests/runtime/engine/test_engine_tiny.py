@@ -82,7 +82,7 @@ W8A8_TIE = 0.15
 
 def test_w8a8_model_matches_core(tiny_llama, tmp_path):
     from compress.quantize import quantize_checkpoint
-    from compress.schemes import W8A8
+    from foundation.schemes import W8A8
     from runtime.layers.linear import W8A8Linear
 
     path = quantize_checkpoint(tiny_llama, tmp_path / "w8a8", W8A8, progress=False).out
@@ -173,7 +173,7 @@ def test_quantized_kv_stays_close(tiny_llama, kv_dtype, max_mean_err):
 
 def test_bad_requests(tiny_llama):
     engine = Engine(load_model(tiny_llama), EngineConfig(block_size=4, max_model_len=64, kv_cache_bytes=1 << 20))
-    from compress.errors import KvslimError
+    from foundation.errors import KvslimError
 
     with pytest.raises(KvslimError, match="max_model_len"):
         engine.add_request(list(range(64)))

@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from attention_variants.layout import AttentionLayout
+from foundation.attention_layout import AttentionLayout
 from runtime.attention_backend import AttentionParams, reference_attention
 from runtime.block_manager import BlockManager, PrefixHit
 from runtime.kv_cache import KVCache, KVCacheSpec

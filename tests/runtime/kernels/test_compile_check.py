@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 from runtime.kernels import compile_check, dequant_matmul, kv_store, paged_attention
 
 ROOT = Path(__file__).resolve().parents[3]

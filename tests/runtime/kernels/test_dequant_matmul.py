@@ -2,8 +2,8 @@ import pytest
 import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 
-from compress import primitives, schemes
-from compress.errors import KvslimError
+from foundation import primitives, schemes
+from foundation.errors import KvslimError
 from runtime.kernels import dequant_matmul as dm
 from tests.runtime.kernels.conftest import requires_gpu
 

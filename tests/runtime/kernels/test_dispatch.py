@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from compress import primitives, schemes
-from compress.errors import KvslimError
+from foundation import primitives, schemes
+from foundation.errors import KvslimError
 from runtime.kernels import dequant_matmul as dm
 from runtime.kernels import dispatch
 from tests.runtime.kernels.paged_setup import make_paged_batch

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from attention_variants.layout import AttentionLayout
+from foundation.attention_layout import AttentionLayout
 from runtime.attention_backend import AttentionParams
 from runtime.block_manager import BlockManager, PrefixHit
 from runtime.kernels.kernel_backend import KernelAttentionBackend

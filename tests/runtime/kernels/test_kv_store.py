@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from compress.errors import KvslimError
+from foundation.errors import KvslimError
 from runtime import kv_quant
 from runtime.kernels import kv_store as kvs
 from tests.runtime.kernels.conftest import requires_gpu

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from compress.errors import KvslimError
+from foundation.errors import KvslimError
 from runtime.attention_backend import reference_attention
 from runtime.kernels import paged_attention as pa
 from tests.runtime.kernels.conftest import requires_gpu

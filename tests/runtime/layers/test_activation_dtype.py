@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compress.errors import KvslimError
-from compress.schemes import FP8_DYNAMIC, FP8_W8A16, W4A16, W8A8, W8A16
+from foundation.errors import KvslimError
+from foundation.schemes import FP8_DYNAMIC, FP8_W8A16, W4A16, W8A8, W8A16
 from runtime.layers.activation_dtype import CpuFeatures, choose_activation_dtype
 
 DETECT = CpuFeatures.detect  # bound at collection, before the session fixture replaces it
@@ -51,7 +51,7 @@ def test_detect_reads_this_cpu():
 
 def test_llm_auto_on_a_native_bf16_cpu_takes_the_bf16_int4_kernel(tiny_llama, tmp_path, monkeypatch):
     from compress.quantize import quantize_checkpoint
-    from compress.schemes import W4A16
+    from foundation.schemes import W4A16
     from runtime.layers.linear import Int4PackLinear
     from runtime.llm import LLM
 
@@ -66,7 +66,7 @@ def test_llm_auto_on_a_native_bf16_cpu_takes_the_bf16_int4_kernel(tiny_llama, tm
 
 
 def test_generate_stats_names_the_choice(tiny_with_tokenizer, capsys):
-    from compress.cli import main
+    from cli.main import main
 
     assert main(["generate", str(tiny_with_tokenizer), "Hello", "--max-tokens", "2", "--stats"]) == 0
     out = capsys.readouterr().out

@@ -109,7 +109,7 @@ def tiny_chat_checkpoint(tmp_path_factory, default_model_dir) -> Path:
 
 def serve_argv(checkpoint: Path, *extra: str) -> list[str]:
     """``compress serve`` in a subprocess, with float32 activations (``auto`` depends on the CPU)."""
-    return ["-m", "compress.cli", "serve", str(checkpoint), "--host", HOST, "--threads", "1",
+    return ["-m", "cli.main", "serve", str(checkpoint), "--host", HOST, "--threads", "1",
             "--log-level", "warning", "--dtype", "float32", *extra]
 
 

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from compress.cli import main
-from compress.errors import KvslimError
+from cli.main import main
 from eval.bench_serve import dataset_requests, percentiles
+from foundation.errors import KvslimError
 from tests.runtime.server.conftest import API_KEY
 
 

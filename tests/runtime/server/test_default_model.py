@@ -9,7 +9,7 @@ from tests.runtime.server.conftest import HOST, ServerProcess
 
 @pytest.mark.slow
 def test_default_model_chat_and_kv_metrics(tmp_path, default_model_dir):
-    srv = ServerProcess(["-m", "compress.cli", "serve", "--host", HOST, "--threads", "1", "--log-level", "warning",
+    srv = ServerProcess(["-m", "cli.main", "serve", "--host", HOST, "--threads", "1", "--log-level", "warning",
                          "--max-model-len", "512", "--kv-cache-mib", "64"], tmp_path / "default.log")
     try:
         client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0, timeout=120)

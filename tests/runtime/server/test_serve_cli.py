@@ -5,8 +5,8 @@ import socket
 
 import pytest
 
-from compress.cli import main
-from compress.errors import KvslimError
+from cli.main import main
+from foundation.errors import KvslimError
 from tests.runtime.server.conftest import HOST, ServerProcess, free_port, serve_argv
 
 
@@ -63,7 +63,7 @@ def test_max_model_len_past_the_models_context_is_one_line_exit_2(tiny_chat_chec
 def test_kv_allocation_failure_is_a_kvslim_error(monkeypatch):
     """Where free memory is unknown (or misjudged), the allocator's own failure becomes one line."""
     import runtime.kv_cache as kv_cache
-    from attention_variants.layout import AttentionLayout
+    from foundation.attention_layout import AttentionLayout
 
     def refuse(*args, **kwargs):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 52428799180800 bytes")

@@ -1,0 +1,4 @@
+"""``python -m cli``: the ``compress`` command."""
+from cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,117 @@
+"""`compress eval CKPT`: lm-eval tasks + perplexity on the offline pack, with recovery gates.
+
+Scores of each (checkpoint content, task set, limits) are cached as JSON, so a baseline is measured
+once. With ``--baseline``, every task's recovery is checked against ``eval/gates.yaml``; the command
+exits 1 when a gate fails.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from foundation.errors import KvslimError
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory, .gguf file or model name (smollm2)")
+    p.add_argument(
+        "--tasks", nargs="+", metavar="TASK",
+        help="tasks (space or comma separated); default: all 8 lm-eval tasks + ppl_wikipedia + ppl_pydoc",
+    )
+    p.add_argument("--limit", type=int, help="docs per lm-eval task (default: fixed per-task limits, see BENCHMARKS.md)")
+    p.add_argument("--ppl-tokens", type=int, help="tokens per perplexity entry (default 8192)")
+    p.add_argument("--baseline", metavar="CKPT", help="compare against this checkpoint and apply the recovery gates")
+    p.add_argument("--scheme", default="default", help="which gates of eval/gates.yaml apply (default: default)")
+    p.add_argument("--backend", default="hf", help="model backend: hf (lm-eval's own transformers model) or kvslim (kvslim's engine: as served)")
+    p.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size (default 8)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="--backend kvslim activations; auto (default): bfloat16 on a CPU with native bf16 or on "
+                        "CUDA, else float32 (the hf backend runs float32)")
+    p.add_argument("--no-cache", action="store_true", help="re-run even when cached results exist")
+
+
+def _task_list(raw: list[str] | None) -> list[str] | None:
+    if raw is None:
+        return None
+    tasks = [t.strip() for item in raw for t in item.split(",") if t.strip()]
+    if not tasks:
+        raise KvslimError("--tasks: no task names given")
+    return tasks
+
+
+def _checked_checkpoint(model_arg: str):
+    """Resolve ``model_arg`` and open it (truncated files, missing config: one-line errors) before any work."""
+    from foundation.checkpoint import Checkpoint
+    from foundation.model_source import resolve_model
+
+    path = resolve_model(model_arg).resolve()
+    Checkpoint.open(path)
+    return path
+
+
+def _fmt(x: float | None, digits: int = 4) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def print_scores(results, path) -> None:
+    print(
+        f"{results.checkpoint}  sha256 {results.checkpoint_sha256[:12]}  backend {results.backend}  "
+        f"{results.seconds:.0f} s wall, {results.cpu_seconds:.0f} s cpu"
+    )
+    print(f"{'task':<16}{'metric':<12}{'value':>10}{'stderr':>10}{'n':>7}  detail")
+    for s in results.scores.values():
+        digits = 3 if s.metric == "perplexity" else 4
+        print(f"{s.task:<16}{s.metric:<12}{_fmt(s.value, digits):>10}{_fmt(s.stderr):>10}{s.num_samples:>7}  {s.detail}")
+    print(f"results: {path}")
+
+
+def print_gates(gates, scheme: str) -> None:
+    print(f"recovery vs baseline, gates of scheme {scheme}")
+    print(f"{'task':<16}{'metric':<12}{'baseline':>10}{'value':>10}{'recovery':>10}{'min':>7}  gate")
+    for g in gates:
+        verdict = "not gated" if g.passed is None else ("pass" if g.passed else "FAIL")
+        print(
+            f"{g.task:<16}{g.metric:<12}{g.baseline:>10.4f}{g.candidate:>10.4f}{g.recovery:>10.4f}"
+            f"{g.threshold:>7.2f}  {verdict} ({g.reason})"
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    from eval.cached_evaluation import evaluate_cached
+    from eval.gates import GateConfig, all_passed, check_gates
+    from eval.lm_eval_runner import BACKENDS, EvalPlan
+    from eval.perplexity_task import PERPLEXITY_TASKS, check_perplexity_tokens
+
+    if args.backend not in BACKENDS:
+        raise KvslimError(f"unknown backend {args.backend!r}; known: {', '.join(BACKENDS)}")
+    if args.batch_size < 1:
+        raise KvslimError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.ppl_tokens is not None and args.ppl_tokens < 2:
+        raise KvslimError(f"--ppl-tokens must be >= 2, got {args.ppl_tokens}")
+    gate_cfg = GateConfig.load(args.scheme)
+    if args.baseline is None and args.scheme != "default":
+        raise KvslimError(f"--scheme {args.scheme} chooses recovery gates: it needs --baseline CKPT")
+    plan = EvalPlan.make(_task_list(args.tasks), args.limit, args.ppl_tokens, args.batch_size, args.dtype)
+    ckpt = _checked_checkpoint(args.checkpoint)
+    baseline = _checked_checkpoint(args.baseline) if args.baseline is not None else None
+    ppl_names = [t for t in plan.tasks if t in PERPLEXITY_TASKS]
+    if args.ppl_tokens is not None and ppl_names:
+        from transformers import AutoTokenizer
+
+        check_perplexity_tokens(AutoTokenizer.from_pretrained(str(ckpt)), ppl_names, args.ppl_tokens)
+
+    results, path = evaluate_cached(ckpt, plan, args.backend, not args.no_cache)
+    print_scores(results, path)
+    if baseline is None:
+        return 0
+    base, base_path = evaluate_cached(baseline, plan, args.backend, not args.no_cache)
+    print()
+    print_scores(base, base_path)
+    print()
+    gates = check_gates(base, results, gate_cfg)
+    print_gates(gates, gate_cfg.scheme)
+    if not all_passed(gates):
+        failed = ", ".join(g.task for g in gates if g.passed is False)
+        print(f"compress eval: recovery gate failed: {failed}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,58 @@
+"""`compress heal`: distil the original model into a converted one (KL on logits, optionally hidden states)."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("converted", help="a `compress convert` output")
+    p.add_argument("--teacher", required=True, help="the original model: checkpoint dir, .gguf, or smollm2")
+    p.add_argument("-o", "--out", required=True, help="output checkpoint directory")
+    budget = p.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--steps", type=int, metavar="S", help="optimizer steps")
+    budget.add_argument("--minutes", type=float, metavar="M", help="training time budget in minutes")
+    p.add_argument("--data", metavar="TEXT_OR_FILE", help="training text: wikipedia:heal (default) or a file")
+    p.add_argument("--train", choices=("attn", "all", "lora"), default="attn",
+                   help="attn: attention projections of the rewritten layers (default); all; lora: adapters on those")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per step")
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (warmup, then cosine); default 2e-4 when the rewrite merged KV heads "
+                        "(GQA/MQA), else 5e-4")
+    p.add_argument("--hidden-weight", type=float, default=0.0, metavar="W",
+                   help="add W x hidden-state matching (every layer's output, relative error per token) to the KL")
+    p.add_argument("--eval-tokens", type=int, default=2048,
+                   help="perplexity on this many wikipedia:eval tokens before and after (0: skip)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing output")
+
+
+def spec_from_args(args: argparse.Namespace):
+    from attention_variants.heal import HealSpec
+
+    return HealSpec(steps=args.steps, minutes=args.minutes, data=args.data, train=args.train, device=args.device,
+                    seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
+                    hidden_weight=args.hidden_weight)
+
+
+def run(args: argparse.Namespace) -> int:
+    from attention_variants.heal import heal
+    from attention_variants.summary import eval_perplexity
+    from foundation.errors import KvslimError
+    from foundation.model_source import resolve_model
+
+    if args.seq_len < 2 or args.batch_size < 1:
+        raise KvslimError("--seq-len must be at least 2 and --batch-size at least 1")
+    if args.eval_tokens < 0:
+        raise KvslimError(f"--eval-tokens must be 0 (skip) or positive, got {args.eval_tokens}")
+    teacher = resolve_model(args.teacher)
+    result = heal(resolve_model(args.converted), teacher, spec_from_args(args), args.out, force=args.force)
+    print(f"healed {args.converted} -> {result.out}: {result.steps} steps, {result.tokens} tokens of {result.data}, "
+          f"{result.train_seconds / 60:.1f} min on {args.device}, peak lr {result.lr:g}"
+          + (f" (resumed at step {result.resumed_from})" if result.resumed_from else ""))
+    what = "KL, nats/token" + (f" + {args.hidden_weight:g} x hidden-state error" if args.hidden_weight else "")
+    print(f"  distillation loss ({what}): {result.first_loss:.4f} -> {result.last_loss:.4f}")
+    if args.eval_tokens > 0:
+        print(f"  before: {eval_perplexity(resolve_model(args.converted), args.eval_tokens).describe()}")
+        print(f"  after:  {eval_perplexity(result.out, args.eval_tokens).describe()}")
+    return 0

@@ -1,0 +1,73 @@
+"""`compress report CKPT ... [-o DIR]`: one Markdown table and one PNG comparing checkpoints.
+
+Weight bytes, KV bytes per token, measured KV capacity, perplexity, task accuracy and recovery vs
+the first checkpoint, decode tokens/s: all measured on kvslim's runtime (``eval/report.py``).
+Accuracy and perplexity come from ``compress eval --backend kvslim`` (cached per checkpoint).
+"""
+from __future__ import annotations
+
+import argparse
+
+from foundation.errors import KvslimError
+
+DEFAULT_TASKS = ("arc_easy", "hellaswag", "piqa", "ppl_wikipedia")
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoints", metavar="CKPT", nargs="+",
+                   help="checkpoint directories or model names; the first is the baseline of 'recovery'")
+    p.add_argument("--names", help="comma-separated row names (default: directory names)")
+    p.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
+                   help=f"comma-separated eval tasks, at most one perplexity entry (default: {','.join(DEFAULT_TASKS)})")
+    p.add_argument("--limit", type=int, help="docs per lm-eval task (default: the pack's fixed per-task limits)")
+    p.add_argument("--ppl-tokens", type=int, default=4096, help="perplexity tokens of wikipedia:eval (default 4096)")
+    p.add_argument("--kv-budget-gib", type=float, default=1.0, help="KV cache budget for the capacity column (default 1)")
+    p.add_argument("--decode-batch", type=int, default=8, help="concurrent requests of the decode benchmark (default 8)")
+    p.add_argument("--decode-tokens", type=int, default=32, help="new tokens per decode request (default 32)")
+    p.add_argument("--no-cache", action="store_true", help="re-run evals even when cached results exist")
+    p.add_argument("-o", "--out", default="report", help="output directory (default ./report)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing output directory")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from eval.perplexity_task import PERPLEXITY_TASKS
+    from eval.report import GIB, ReportSettings, measure, write_report
+    from foundation.atomic import atomic_output_dir, check_output_dir
+    from foundation.model_source import resolve_model
+
+    tasks = tuple(t for t in args.tasks.split(",") if t)
+    if sum(t in PERPLEXITY_TASKS for t in tasks) > 1:
+        raise KvslimError(f"--tasks: at most one perplexity entry ({', '.join(PERPLEXITY_TASKS)})")
+    names = args.names.split(",") if args.names else None
+    if names is not None and len(names) != len(args.checkpoints):
+        raise KvslimError(f"--names has {len(names)} names for {len(args.checkpoints)} checkpoints")
+    for flag, v in (("--decode-batch", args.decode_batch), ("--decode-tokens", args.decode_tokens),
+                    ("--ppl-tokens", args.ppl_tokens)):
+        if v < 2:
+            raise KvslimError(f"{flag} must be >= 2, got {v}")
+    if args.kv_budget_gib <= 0:
+        raise KvslimError(f"--kv-budget-gib must be > 0, got {args.kv_budget_gib}")
+    out = Path(args.out)
+    check_output_dir(out, args.force)
+    paths = [resolve_model(c).resolve() for c in args.checkpoints]
+    names = names or [p.name for p in paths]
+    settings = ReportSettings(tasks=tasks, limit=args.limit, perplexity_tokens=args.ppl_tokens,
+                              kv_budget_bytes=int(args.kv_budget_gib * GIB), decode_batch=args.decode_batch,
+                              decode_new_tokens=args.decode_tokens)
+    torch.set_num_threads(min(torch.get_num_threads(), 4))
+    rows = []
+    for name, path in zip(names, paths):
+        print(f"measuring {name} ({path})", flush=True)
+        rows.append(measure(name, path, settings, use_cache=not args.no_cache))
+    with atomic_output_dir(out, args.force) as tmp:
+        md, _ = write_report(rows, tmp, settings)
+        table = md.read_text()
+    print()
+    print(table)
+    print(f"table: {out / 'report.md'}")
+    print(f"plot:  {out / 'report.png'}")
+    return 0

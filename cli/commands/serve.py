@@ -1,0 +1,173 @@
+"""`compress serve [CKPT]`: an OpenAI-compatible HTTP server for a (compressed) checkpoint.
+
+    compress serve                              # the default model on http://127.0.0.1:8000
+    compress serve out/smollm2-fp8 --kv-cache-dtype fp8 --api-key "$KEY"
+
+Listens on loopback unless ``--host`` says otherwise. SIGTERM (or Ctrl-C) stops accepting
+connections, lets in-flight requests finish, then stops the engine; after SIGTERM the exit code is 0.
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from foundation.errors import KvslimError
+from foundation.model_source import DEFAULT_MODEL
+
+KV_DTYPES = {"auto": None, "fp8": "fp8_e4m3", "int8": "int8"}
+API_KEY_ENV = "KVSLIM_API_KEY"
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # runtime.layers.activation_dtype's, without torch
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", nargs="?", default=None, metavar="CKPT",
+                   help=f"checkpoint dir or model name (default: {DEFAULT_MODEL})")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (or set ${API_KEY_ENV})")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="activations; auto (default): bfloat16 on a CPU with native bf16 or on CUDA, else float32")
+    p.add_argument("--kv-cache-dtype", choices=sorted(KV_DTYPES), default="auto",
+                   help="KV cache dtype; auto = the checkpoint's kv_cache_scheme, else the model dtype")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most requests in the running batch")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens")
+    p.add_argument("--max-queue", type=int, default=None,
+                   help="most requests held (running + waiting) before answering 429 (default: 4 x max-num-seqs)")
+    p.add_argument("--kv-cache-mib", type=int, default=512, help="KV cache budget in MiB")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: CKPT's name)")
+    p.add_argument("--original", default=None, metavar="CKPT",
+                   help="the uncompressed model, for the KV-saving metric (default: the default model when "
+                        "serving it, else CKPT's own layout in bf16)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse out-of-range numbers: every count, size and port must be positive (``None``: default)."""
+    if not 0 < args.port < 65536:
+        raise KvslimError(f"--port must be in 1..65535, got {args.port}")
+    for name in ("max_num_seqs", "max_model_len", "max_queue", "kv_cache_mib", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise KvslimError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    cpus = os.cpu_count() or 1
+    if args.threads is not None and args.threads > cpus:  # more only slows torch down (or hangs it)
+        raise KvslimError(f"--threads must be at most {cpus} (this machine's CPUs), got {args.threads}")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` for uvicorn to serve, or a one-line error why not.
+
+    Taken before the engine is built, so a port in use or a bad address fails at once."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: no TIME_WAIT refusal
+        sock.bind((host, port))
+        sock.listen()
+    except OSError as e:  # gaierror (unknown or invalid host) included
+        sock.close()
+        raise KvslimError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def run(args: argparse.Namespace) -> int:
+    check_args(args)
+    from foundation.model_source import resolve_model
+
+    source = args.checkpoint or DEFAULT_MODEL
+    path = resolve_model(source)
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        raise KvslimError(f"{path}: no tokenizer files; the server needs the model's tokenizer")
+    positions = _max_positions(path)
+    if args.max_model_len is not None and positions is not None and args.max_model_len > positions:
+        # vLLM refuses this too: positions past the trained context give garbage, not an error.
+        raise KvslimError(f"--max-model-len {args.max_model_len} exceeds the model's context "
+                          f"(max_position_embeddings={positions})")
+    with bind(args.host, args.port) as sock:
+        return _serve(args, sock, path, source)
+
+
+def _max_positions(path: Path) -> int | None:
+    import json
+
+    try:
+        value = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None  # the loader names a missing or broken config
+    return value if isinstance(value, int) else None
+
+
+def _serve(args: argparse.Namespace, sock: socket.socket, path: Path, source: str) -> int:
+    """Build the engine and the app, then serve on ``sock`` until SIGTERM / Ctrl-C."""
+    import json
+
+    import torch
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from foundation.attention_layout import AttentionLayout
+    from foundation.model_source import resolve_model
+    from runtime.engine import Engine, EngineConfig
+    from runtime.kv_cache import KV_DTYPES as KV_TORCH_DTYPES
+    from runtime.server.app import create_app
+    from runtime.server.engine_adapter import ThreadedEngine
+    from runtime.server.metrics import KVFootprint
+
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    engine = Engine.from_checkpoint(path, EngineConfig(
+        dtype=args.dtype,
+        kv_dtype=KV_DTYPES[args.kv_cache_dtype],
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        kv_cache_bytes=args.kv_cache_mib << 20,
+    ))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+
+    layout = AttentionLayout.from_config(json.loads((path / "config.json").read_text()))
+    original_source = args.original or (DEFAULT_MODEL if args.checkpoint is None else None)
+    original = layout if original_source is None else AttentionLayout.from_config(
+        json.loads((resolve_model(original_source) / "config.json").read_text()))
+    group = engine.kv_spec.groups[0]
+    dtype_bytes = torch.empty((), dtype=KV_TORCH_DTYPES[group.kv_dtype]).element_size()
+    footprint = KVFootprint.of(layout, dtype_bytes, engine.kv_spec.scale_bytes(group), original, engine.max_model_len)
+
+    # A known name (smollm2) is the model id; a directory or file is known by its name.
+    model_name = args.served_model_name or (path.name if Path(source).exists() else source)
+    max_queue = args.max_queue if args.max_queue is not None else 4 * args.max_num_seqs
+    app = create_app(ThreadedEngine(engine), tokenizer, model_name, footprint, api_key=api_key, max_queue=max_queue)
+    if not _is_loopback(args.host):
+        sys.stderr.write(f"compress serve: listening on {args.host}, reachable from other machines"
+                         f"{'' if api_key else ' WITHOUT an API key'}\n")
+    url_host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address
+    sys.stderr.write(
+        f"compress serve: {model_name} ({path}) on http://{url_host}:{args.port}  kv={group.kv_dtype} "
+        f"{footprint.bytes_per_token:.0f} B/token (original in bf16: {footprint.original_bytes_per_token:.0f}), "
+        f"max_model_len={engine.max_model_len}, max_num_seqs={args.max_num_seqs}, queue={max_queue}, "
+        f"activations {engine.model.activation_dtype.describe()}\n")
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           access_log=False))
+    # uvicorn drains on SIGTERM, then re-raises it into the handler it found (the default one kills
+    # the process: exit 143). This one makes that a no-op, and stops a server not yet serving.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(server, "should_exit", True))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0

@@ -1,0 +1,1 @@
+"""kvslim.foundation, the ground floor: errors, checkpoint I/O and atomic writes, model sources, architecture and attention layout, quantization schemes and packing, tensor shapes, named texts, perplexity. It imports no other kvslim package."""

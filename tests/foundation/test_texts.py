@@ -1,0 +1,28 @@
+import itertools
+
+import pytest
+
+from foundation.errors import KvslimError
+from foundation.texts import RANGES, check_disjoint, load_documents, text_range
+
+
+def test_roles_never_overlap():
+    for a, b in itertools.combinations(RANGES.values(), 2):
+        if a.role != b.role:
+            assert not a.overlaps(b), (a, b)
+
+
+def test_check_disjoint_and_unknown_names():
+    check_disjoint("wikipedia:calib", "wikipedia:eval")
+    with pytest.raises(KvslimError, match="overlap"):
+        check_disjoint("wikipedia:eval", "wikipedia:eval")
+    with pytest.raises(KvslimError, match="unknown text range"):
+        text_range("wikitext:test")
+
+
+def test_real_corpora_load():
+    calib, heal, held_out = (load_documents(f"wikipedia:{r}") for r in ("calib", "heal", "eval"))
+    assert (len(calib), len(heal)) == (24, 40) and len(held_out) > 30
+    assert not set(calib) & set(held_out) and not set(heal) & set(held_out)
+    assert all(len(d) > 500 for d in held_out)
+    assert len(load_documents("pydoc:eval")) > 50
