@@ -74,7 +74,7 @@ def format_stats(llm, num_prompt_tokens: int, completion) -> str:
         f"checkpoint: {llm.path}",
         f"activations: {llm.activation_dtype.describe()}",
         f"weights: {llm.weight_bytes() / 2**20:.1f} MiB resident (quantized weights packed)",
-        f"kv cache: {kv / 1024:.2f} KiB/token at context {ctx} ({llm.dtype}); "
+        f"kv cache: {kv / 1024:.2f} KiB/token at context {ctx} ({llm.activation_dtype.name}); "
         f"{kv_short / 1024:.2f} KiB/token at this request's {num_prompt_tokens + len(completion.token_ids)} tokens",
         f"tokens: {num_prompt_tokens} prompt + {len(completion.token_ids)} generated ({completion.finish_reason})",
     ]

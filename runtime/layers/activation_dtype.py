@@ -1,18 +1,17 @@
 """The activation dtype a checkpoint runs with: chosen once, beside the kernel choice (``make_linear``).
 
 ``dtype="auto"`` (the default of ``LLM``, ``Engine`` and every command that runs a checkpoint)
-picks by the checkpoint's weight storage and the CPU's features:
+picks by the CPU's features, and names the checkpoint's weight storage in its reason:
 
 - CUDA: bfloat16.
-- A CPU with native bf16 (AVX512_BF16 or AMX) and weights whose kernels want bf16: bfloat16.
-  torch's weight-only INT4/INT8 CPU kernels (``_weight_int4pack_mm_for_cpu``,
-  ``_weight_int8pack_mm``) take bf16 activations only (fp32 falls back to dequantize-then-matmul);
-  FP8 weight-only and W8A8 are faster in bf16 too. Decode tok/s bf16 / fp32 on a 2-core AVX-512 +
-  VNNI + AVX512_BF16 CPU at batch 1 / 8 (``benchmarks/activation_dtype_speed.py``): INT4 6.4x /
-  3.7x, INT8 3.2x / 1.9x, FP8 weight-only 1.08x / 1.21x, W8A8 1.20x / 1.29x.
-- Everything else on a CPU: float32. Dense weights (0.48x / 1.83x: oneDNN's bf16 GEMV is slower at
-  batch 1, and fp32 is the checkpoint's own precision) and FP8_DYNAMIC (0.85x / 1.12x); a CPU
-  without native bf16 emulates it and is faster in fp32 for every storage.
+- A CPU with native bf16 (AVX512_BF16 or AMX): bfloat16, for every weight storage. torch's
+  weight-only INT4/INT8 CPU kernels (``_weight_int4pack_mm_for_cpu``, ``_weight_int8pack_mm``)
+  take bf16 activations only (fp32 falls back to dequantize-then-matmul), and oneDNN's bf16 GEMMs
+  beat fp32 for the rest. Decode tok/s bf16 / fp32 on 2 idle cores with AVX-512 + VNNI +
+  AVX512_BF16 at batch 1 / 8 (``benchmarks/activation_dtype.py speed``): dense 1.88x / 2.25x,
+  INT4 4.85x / 3.17x, INT8 7.96x / 3.90x, FP8 weight-only 1.03x / 1.26x, FP8_DYNAMIC 1.18x /
+  1.19x, W8A8 1.20x / 1.22x.
+- A CPU without native bf16 (AVX2 only): float32, which such a CPU runs faster (bf16 is emulated).
 
 An explicit dtype always wins. bf16 activations move logits: the figures are in BENCHMARKS.md.
 """
@@ -89,12 +88,6 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype | None:
     return DTYPES[dtype]
 
 
-def wants_bf16(scheme: QuantScheme) -> bool:
-    """Whether this weight storage runs faster with bf16 activations on a native-bf16 CPU."""
-    weight_only = scheme.input_activations is None
-    return weight_only or scheme.type == "int"  # INT4/INT8/FP8 weight-only, W8A8; not FP8_DYNAMIC
-
-
 def _storage(schemes: tuple[QuantScheme, ...]) -> str:
     return " + ".join(dict.fromkeys(s.name for s in schemes)) if schemes else "dense weights"
 
@@ -113,7 +106,5 @@ def choose_activation_dtype(
     features = features or CpuFeatures.detect()
     storage = _storage(schemes)
     if not features.native_bf16:
-        return ActivationDtype(torch.float32, f"auto: CPU without native bf16 ({features.describe()})")
-    if schemes and all(wants_bf16(s) for s in schemes):
-        return ActivationDtype(torch.bfloat16, f"auto: {storage} on a CPU with native bf16 ({features.describe()})")
-    return ActivationDtype(torch.float32, f"auto: {storage} run fastest in fp32 on this CPU ({features.describe()})")
+        return ActivationDtype(torch.float32, f"auto: {storage} on a CPU without native bf16 ({features.describe()})")
+    return ActivationDtype(torch.bfloat16, f"auto: {storage} on a CPU with native bf16 ({features.describe()})")

@@ -17,15 +17,17 @@ AMX = CpuFeatures(avx2=True, avx512=True, vnni=True, avx512_bf16=False, amx=True
 BF16_LOGITS_ATOL = 0.1
 
 
-@pytest.mark.parametrize("scheme, bf16", [(W4A16, True), (W8A16, True), (FP8_W8A16, True), (W8A8, True),
-                                          (FP8_DYNAMIC, False), (None, False)], ids=lambda x: getattr(x, "name", x))
-def test_auto_on_a_native_bf16_cpu_follows_the_weight_kernels(scheme, bf16):
+@pytest.mark.parametrize("scheme", [W4A16, W8A16, FP8_W8A16, W8A8, FP8_DYNAMIC, None],
+                         ids=lambda x: getattr(x, "name", "dense"))
+def test_auto_is_bf16_exactly_on_a_native_bf16_cpu(scheme):
     schemes = () if scheme is None else (scheme,)
+    storage = "dense weights" if scheme is None else scheme.name
     for features in (NATIVE_BF16, AMX):
         choice = choose_activation_dtype("auto", schemes, "cpu", features)
-        assert choice.dtype == (torch.bfloat16 if bf16 else torch.float32) and choice.reason.startswith("auto: ")
-        assert features.describe() in choice.describe()
-    assert choose_activation_dtype("auto", schemes, "cpu", AVX2_ONLY).dtype == torch.float32
+        assert choice.dtype == torch.bfloat16
+        assert choice.reason == f"auto: {storage} on a CPU with native bf16 ({features.describe()})"
+    plain = choose_activation_dtype("auto", schemes, "cpu", AVX2_ONLY)
+    assert plain.dtype == torch.float32 and plain.reason == f"auto: {storage} on a CPU without native bf16 (AVX2)"
 
 
 def test_auto_on_cuda_is_bf16_and_explicit_always_wins():
@@ -70,7 +72,7 @@ def test_generate_stats_names_the_choice(tiny_with_tokenizer, capsys):
 
     assert main(["generate", str(tiny_with_tokenizer), "Hello", "--max-tokens", "2", "--stats"]) == 0
     out = capsys.readouterr().out
-    assert "activations: float32 (auto: CPU without native bf16 (AVX2))" in out  # the suite's CPU (conftest)
+    assert "activations: float32 (auto: dense weights on a CPU without native bf16 (AVX2))" in out  # conftest's CPU
     assert main(["generate", str(tiny_with_tokenizer), "Hello", "--max-tokens", "2", "--stats",
                  "--dtype", "bfloat16"]) == 0
     assert "activations: bfloat16 (requested)" in capsys.readouterr().out
