@@ -167,9 +167,10 @@ def markdown_table(rows: list[CheckpointRow], s: ReportSettings) -> str:
         f"- Decode tok/s: kvslim engine, {s.decode_batch} concurrent requests, "
         f"{s.decode_prompt_tokens}-token prompts of wikipedia:eval, {s.decode_new_tokens} new tokens; "
         "aggregate generated tokens/s after the first token; KV in the checkpoint's kv_cache_scheme, else the "
-        "activation dtype; the fastest of "
-        f"{', '.join(s.decode_dtypes)} activations per checkpoint (auto: the runtime's choice for the "
-        "checkpoint's weights on this CPU), named in brackets.",
+        "activation dtype; activations "
+        + ("auto (the runtime's choice on this CPU)" if s.decode_dtypes == ("auto",)
+           else f"the fastest of {', '.join(s.decode_dtypes)} per checkpoint")
+        + ", named in brackets.",
     ]
     return "\n".join(lines)
 
