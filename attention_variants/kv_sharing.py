@@ -18,7 +18,6 @@ import torch
 from attention_variants.calibration import AttentionInputs
 from attention_variants.projections import (
     augmented,
-    complex_pairs,
     fold_into_query,
     heads,
     proj_key,

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from foundation.architecture import ATTENTION_PROJECTIONS
-
 
 def proj_key(layer: int, proj: str, param: str = "weight") -> str:
     return f"model.layers.{layer}.self_attn.{proj}.{param}"

@@ -113,13 +113,11 @@ def main() -> int:
     torch.set_num_threads(2)
 
     from foundation.model_source import resolve_model
-    from foundation.schemes import default_scheme
     from runtime.layers.activation_dtype import CpuFeatures, choose_activation_dtype
 
     src = resolve_model("smollm2")
     features = CpuFeatures.detect()
-    auto = {k: choose_activation_dtype("auto", () if k == "dense" else (default_scheme(k),), "cpu", features).name
-            for k in args.schemes}
+    auto = choose_activation_dtype("auto", (), "cpu", features).name  # the CPU decides, not the weights
     print(f"CPU: {features.describe()}; auto -> {auto}; torch {torch.__version__}", flush=True)
     rows = speed(src, args) if args.measure == "speed" else quality(src, args)
     if args.json:

@@ -143,12 +143,9 @@ def main() -> int:
     if args.single:
         return measure_single(args)
 
-    from transformers import AutoTokenizer
-
     from foundation.model_source import resolve_model
 
     model_dir = resolve_model(args.model)
-    prompts = real_prompts(AutoTokenizer.from_pretrained(model_dir), max(args.concurrency))
     scratch = tempfile.TemporaryDirectory(prefix="engine_throughput_")
     engines = [("kvslim engine", model_dir, args.engine_dtypes)]
     if args.engine_w8a8:

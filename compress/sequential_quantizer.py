@@ -121,7 +121,8 @@ class SequentialQuantizer:
         if self._layer is not None or self.stream.next_layer < self.stream.stack.num_layers:
             self._advance_to(self.stream.stack.num_layers)
         stack = self.stream.stack
-        unseen = [i for i in range(stack.num_layers) if i not in self.kv_observer.layers()]
+        seen = set(self.kv_observer.layers())
+        unseen = [i for i in range(stack.num_layers) if i not in seen]
         if unseen:
             raise KvslimError(
                 f"the KV-scale observer saw no cache write from {len(unseen)} of {stack.num_layers} layers "

@@ -150,15 +150,14 @@ class EvalPlan:
         import lm_eval
         import transformers
 
-        from runtime.layers.activation_dtype import CpuFeatures
+        from runtime.layers.activation_dtype import choose_activation_dtype
 
         return {
             "tasks": sorted(self.tasks),
             "limits": dict(sorted(self.limits.items())),
             "perplexity_tokens": self.perplexity_tokens if any(t in PERPLEXITY_TASKS for t in self.tasks) else None,
             "batch_size": self.batch_size,
-            "kvslim_dtype": self.dtype,
-            "cpu_native_bf16": CpuFeatures.detect().native_bf16,  # with the checkpoint, decides ``auto``
+            "kvslim_dtype": choose_activation_dtype(self.dtype).name,  # auto resolves by the CPU
             "pack_version": PACK_VERSION,
             "lm_eval": lm_eval.__version__,
             "transformers": transformers.__version__,

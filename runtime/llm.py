@@ -25,7 +25,7 @@ from runtime.engine import MODEL_KV_DTYPES, Engine, EngineConfig
 from runtime.engine import RequestOutput as EngineOutput
 from runtime.kv_cache import KVCacheSpec
 from runtime.loader import live_weight_bytes, load_model
-from runtime.sampling import SamplingParams, TokenLogprob, find_stop, token_logprobs
+from runtime.sampling import SamplingParams, TokenLogprob, find_stop
 
 PromptInput = str | Sequence[int]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")

@@ -113,8 +113,7 @@ def load_model(
     weights = CheckpointWeights(ckpt, spec, choice.dtype, use_cpu_kernels, fuse)
     weights.check_tensors()
     with torch.no_grad():
-        model = Decoder(spec, weights, choice.dtype)
-    model.activation_dtype = choice
+        model = Decoder(spec, weights, choice)
     weights.check_all_used()
     return model.eval().requires_grad_(False)
 

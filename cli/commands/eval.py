@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from foundation.errors import KvslimError
+from runtime.layers.dtype_choices import DTYPE_CHOICES, DTYPE_HELP
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -24,9 +25,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheme", default="default", help="which gates of eval/gates.yaml apply (default: default)")
     p.add_argument("--backend", default="hf", help="model backend: hf (lm-eval's own transformers model) or kvslim (kvslim's engine: as served)")
     p.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size (default 8)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="--backend kvslim activations; auto (default): bfloat16 on a CPU with native bf16 or on "
-                        "CUDA, else float32 (the hf backend runs float32)")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help=f"--backend kvslim {DTYPE_HELP} (the hf backend runs float32)")
     p.add_argument("--no-cache", action="store_true", help="re-run even when cached results exist")
 
 

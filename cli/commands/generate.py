@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-# runtime.layers.activation_dtype.DTYPE_CHOICES, spelled out: the parser is built without torch.
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+from runtime.layers.dtype_choices import DTYPE_CHOICES, DTYPE_HELP
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -17,8 +16,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help="activations; auto (default): bfloat16 on a CPU with native bf16 or on CUDA, else float32")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--stats", action="store_true", help="print weight bytes and KV bytes per token")

@@ -18,10 +18,10 @@ from pathlib import Path
 
 from foundation.errors import KvslimError
 from foundation.model_source import DEFAULT_MODEL
+from runtime.layers.dtype_choices import DTYPE_CHOICES, DTYPE_HELP
 
 KV_DTYPES = {"auto": None, "fp8": "fp8_e4m3", "int8": "int8"}
 API_KEY_ENV = "KVSLIM_API_KEY"
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # runtime.layers.activation_dtype's, without torch
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -31,8 +31,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (or set ${API_KEY_ENV})")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help="activations; auto (default): bfloat16 on a CPU with native bf16 or on CUDA, else float32")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     p.add_argument("--kv-cache-dtype", choices=sorted(KV_DTYPES), default="auto",
                    help="KV cache dtype; auto = the checkpoint's kv_cache_scheme, else the model dtype")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests in the running batch")

@@ -23,10 +23,9 @@ import torch
 
 from foundation.errors import KvslimError
 from foundation.schemes import QuantScheme
+from runtime.layers.dtype_choices import AUTO, DTYPE_CHOICES, DTYPE_NAMES
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-AUTO = "auto"
-DTYPE_CHOICES = (AUTO, *DTYPES)
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def _has(name: str) -> bool:

@@ -84,11 +84,11 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     """Embeddings, the decoder layers, the final norm and the LM head."""
 
-    def __init__(self, spec: ModelSpec, weights: WeightSource, dtype: torch.dtype) -> None:
+    def __init__(self, spec: ModelSpec, weights: WeightSource, activation_dtype: ActivationDtype) -> None:
         super().__init__()
         self.spec = spec
-        self.activation_dtype = ActivationDtype(dtype, "requested")  # the loader records an ``auto`` choice
-        self.dtype = dtype
+        self.activation_dtype = activation_dtype  # the dtype and why it was chosen
+        self.dtype = dtype = activation_dtype.dtype
         embed = weights.tensor("model.embed_tokens.weight").to(dtype)
         self.register_buffer("embed_tokens", embed, persistent=False)
         self.embed_scale = None
