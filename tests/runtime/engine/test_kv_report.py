@@ -100,11 +100,11 @@ def test_static_checkpoint_scales_sized_as_the_engine_allocates(tiny_llama, tmp_
 def test_fp8_calibrated_scales_are_not_reused_for_an_int8_cache(tiny_llama, tmp_path):
     """Scales calibrated as max/448 for an FP8 cache would clip an INT8 cache at 127/448 of the
     range: another quantized KV dtype chosen at serve time takes per-token scales instead."""
-    from compress.kv_scales import KV_CACHE_SCHEME, KVScaleObserver
     from compress.decoder_stack import LazyDecoderStack
+    from compress.kv_scales import KV_CACHE_SCHEME, KVScaleObserver
     from compress.layer_stream import LayerStream
-    from compress.sequential_quantizer import SequentialQuantizer
     from compress.quantize import quantize_checkpoint
+    from compress.sequential_quantizer import SequentialQuantizer
     from foundation.checkpoint import Checkpoint
     from foundation.schemes import FP8_W8A16
     from runtime.engine import Engine, EngineConfig
