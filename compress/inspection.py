@@ -11,9 +11,8 @@ from compress.vllm_compat import KernelVerdict, kernel_verdicts
 from foundation.architecture import model_type_of
 from foundation.attention_layout import AttentionLayout
 from foundation.checkpoint import Checkpoint
-from foundation.errors import KvslimError
 from foundation.quant_spec import QuantSpec
-from foundation.schemes import QuantScheme, scheme_from_config_group
+from foundation.schemes import QuantScheme
 from foundation.tensor_shapes import ModelShapes, check_checkpoint, no_quantization
 
 # safetensors dtype name -> bytes per element
@@ -56,21 +55,6 @@ class Inspection:
         return self.layout.kv_bytes_per_token(context, dtype_bytes, scale_bytes)
 
 
-def scheme_of_config(config: dict) -> tuple[QuantScheme | None, str | None, tuple[str, ...]]:
-    """``(scheme, format, ignore)`` of a config's compressed-tensors ``quantization_config``
-    (``(None, None, ())`` when unquantized); one config group only."""
-    qc = config.get("quantization_config")
-    if qc is None:
-        return None, None, ()
-    if qc.get("quant_method") != "compressed-tensors":
-        raise KvslimError(f"quantization method {qc.get('quant_method')!r} is not compressed-tensors")
-    groups = qc.get("config_groups") or {}
-    if len(groups) != 1:
-        raise KvslimError(f"expected one quantization config group, found {len(groups)}")
-    group = next(iter(groups.values()))
-    return scheme_from_config_group(group), group.get("format") or qc.get("format"), tuple(qc.get("ignore") or ())
-
-
 def inspect_checkpoint(path: str | Path) -> Inspection:
     """Read config and safetensors headers (plus the tiny ``weight_shape`` tensors).
 
@@ -81,8 +65,11 @@ def inspect_checkpoint(path: str | Path) -> Inspection:
     config = ckpt.config
     model_type = model_type_of(config)
     layout = AttentionLayout.from_config(config)
-    scheme, fmt, ignore = scheme_of_config(config)
-    quant = QuantSpec.from_config(config["quantization_config"]) if scheme is not None else None
+    quant = QuantSpec.of_model_config(config)
+    group = quant.single_group if quant else None
+    scheme = group.scheme if group else None
+    fmt = (group.format or quant.format) if quant else None
+    ignore = quant.ignore if quant else ()
     unread = check_checkpoint(ckpt, ModelShapes.from_config(config, layout),
                               quant.scheme_for if quant else no_quantization)
     by_dtype: Counter[str] = Counter()

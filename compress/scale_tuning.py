@@ -23,10 +23,10 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from compress.calibration import check_ids_in_vocab
-from compress.inspection import scheme_of_config
 from foundation.checkpoint import Checkpoint
 from foundation.errors import KvslimError
 from foundation.primitives import decode_linear, dequantize
+from foundation.quant_spec import QuantSpec
 from foundation.schemes import QuantScheme
 
 DEFAULT_BATCH_WINDOWS = 4
@@ -100,9 +100,10 @@ def tune_scales(
 
     start = time.perf_counter()
     ckpt = Checkpoint.open(quantized)
-    scheme = scheme_of_config(ckpt.config)[0]
-    if scheme is None:
+    quant = QuantSpec.of_model_config(ckpt.config)
+    if quant is None:
         raise KvslimError(f"{ckpt.path} is not quantized; scale tuning needs a quantized checkpoint")
+    scheme = quant.single_scheme
     check_tunable(scheme)
     check_ids_in_vocab(ids, ckpt.config, source)
     teacher = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()

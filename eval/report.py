@@ -15,6 +15,7 @@ from pathlib import Path
 
 from eval.perplexity_task import PERPLEXITY_TASKS
 from foundation.errors import KvslimError
+from foundation.quant_spec import QuantSpec
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -61,9 +62,8 @@ def weight_bytes(ckpt: Path) -> int:
 
 def served_kv_dtype(config: dict) -> str:
     """The KV dtype a deployment would use: the checkpoint's FP8/INT8 KV scheme, else bf16."""
-    from runtime.engine import kv_dtype_from_scheme
-
-    return kv_dtype_from_scheme((config.get("quantization_config") or {}).get("kv_cache_scheme")) or "bf16"
+    quant = QuantSpec.of_model_config(config)
+    return (quant.kv_dtype if quant else None) or "bf16"
 
 
 def fastest_decode(ckpt: Path, s: ReportSettings) -> tuple[float, str]:

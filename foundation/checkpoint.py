@@ -20,6 +20,7 @@ from foundation.errors import CheckpointError
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
+GENERATION_CONFIG = "generation_config.json"
 # Files carried over unchanged from the source checkpoint to every output.
 SIDE_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -133,6 +134,17 @@ class Checkpoint:
     @property
     def quantization_config(self) -> dict | None:
         return self.config.get("quantization_config")
+
+    @property
+    def generation_config(self) -> dict:
+        """generation_config.json (EOS ids, sampling defaults), or ``{}`` when there is none."""
+        gen = self.path / GENERATION_CONFIG
+        if not gen.is_file():
+            return {}
+        try:
+            return json.loads(gen.read_text())
+        except ValueError as e:
+            raise CheckpointError(f"{gen}: invalid JSON ({e})") from None
 
     def copy_side_files(self, out: Path) -> None:
         """Carry tokenizer and generation config over to ``out``."""

@@ -1,7 +1,9 @@
-"""A checkpoint's declared compressed-tensors quantization: which scheme each Linear is stored in.
+"""A checkpoint's declared compressed-tensors quantization: the one reader of ``quantization_config``.
 
-``QuantSpec.from_config`` only parses (any scheme ``foundation.schemes`` can describe); what the
-runtime can serve is checked by ``runtime.spec`` before it asks for one.
+``QuantSpec.of_model_config`` answers, for every caller, which scheme each Linear is stored in
+(``scheme_for``), the checkpoint's single scheme (``single_scheme``, for inspect and tuning) and the
+KV-cache dtype it declares (``kv_dtype``). It only parses (any scheme ``foundation.schemes`` can
+describe); what the runtime can serve is checked by the runtime before it asks for one.
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from typing import Any
 from foundation.errors import KvslimError
 from foundation.schemes import QuantScheme, scheme_from_config_group
 
+QUANT_METHOD = "compressed-tensors"
+
 
 @dataclass(frozen=True)
 class QuantGroup:
@@ -19,6 +23,7 @@ class QuantGroup:
 
     targets: tuple[str, ...]
     scheme: QuantScheme
+    format: str | None = None  # the group's own on-disk format, when it names one
 
 
 @dataclass(frozen=True)
@@ -46,14 +51,42 @@ class QuantSpec:
                 return group.scheme
         return None
 
+    @property
+    def schemes(self) -> tuple[QuantScheme, ...]:
+        return tuple(g.scheme for g in self.groups)
+
+    @property
+    def single_group(self) -> QuantGroup:
+        """The one config group (``compress quantize`` writes one); refuse several or none."""
+        if len(self.groups) != 1:
+            raise KvslimError(f"expected one quantization config group, found {len(self.groups)}")
+        return self.groups[0]
+
+    @property
+    def single_scheme(self) -> QuantScheme:
+        return self.single_group.scheme
+
+    @property
+    def kv_scheme(self) -> dict | None:
+        """``kv_cache_scheme`` as written in the config, or None."""
+        return dict(self.kv_cache_scheme) if self.kv_cache_scheme else None
+
+    @property
+    def kv_dtype(self) -> str | None:
+        """The KV-cache dtype the checkpoint declares (``fp8_e4m3`` / ``int8``), None when none."""
+        return kv_dtype_of_scheme(self.kv_scheme)
+
     @classmethod
     def from_config(cls, qc: dict) -> "QuantSpec":
+        """Parse a ``quantization_config`` dict."""
         groups = []
         for name, group in (qc.get("config_groups") or {}).items():
             targets = tuple(group.get("targets") or ())
             if not targets:
                 raise KvslimError(f"quantization group {name} has no targets")
-            groups.append(QuantGroup(targets, scheme_from_config_group(group)))
+            if group.get("output_activations"):
+                raise KvslimError(f"quantization group {name}: output activation quantization is not supported")
+            groups.append(QuantGroup(targets, scheme_from_config_group(group), group.get("format")))
         kv = qc.get("kv_cache_scheme")
         return cls(
             format=str(qc.get("format")),
@@ -61,3 +94,34 @@ class QuantSpec:
             ignore=tuple(qc.get("ignore") or ()),
             kv_cache_scheme=tuple(sorted(kv.items())) if kv else None,
         )
+
+    @classmethod
+    def of_model_config(cls, config: dict) -> "QuantSpec | None":
+        """The ``quantization_config`` of a config.json dict, or None for an unquantized model;
+        refuses any method but compressed-tensors with one line."""
+        qc = config.get("quantization_config")
+        if not qc:
+            return None
+        method = qc.get("quant_method")
+        if method != QUANT_METHOD:
+            raise KvslimError(f"quantization_config.quant_method={method!r} is not supported; kvslim reads "
+                              "compressed-tensors checkpoints (compress quantize writes them)")
+        return cls.from_config(qc)
+
+
+def kv_dtype_of_scheme(scheme: dict | None) -> str | None:
+    """``kv_cache_scheme`` -> the KV dtype name the runtime uses (None when absent)."""
+    if not scheme:
+        return None
+    kind = (scheme.get("type"), int(scheme.get("num_bits", 0)))
+    if kind == ("float", 8):
+        return "fp8_e4m3"
+    if kind == ("int", 8):
+        return "int8"
+    raise KvslimError(f"kv_cache_scheme {scheme} is not supported (8-bit float or int only)")
+
+
+def kv_cache_scheme_of(config: dict) -> dict | None:
+    """``quantization_config.kv_cache_scheme`` of a config.json dict, or None."""
+    spec = QuantSpec.of_model_config(config)
+    return spec.kv_scheme if spec else None

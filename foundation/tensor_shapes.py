@@ -22,6 +22,7 @@ from foundation.architecture import model_type_of
 from foundation.attention_layout import AttentionLayout
 from foundation.checkpoint import Checkpoint
 from foundation.errors import CheckpointError
+from foundation.quant_spec import kv_cache_scheme_of
 from foundation.schemes import QuantScheme
 
 SchemeFor = Callable[[str], QuantScheme | None]  # a Linear module name -> its declared scheme
@@ -47,11 +48,6 @@ IGNORABLE = (
     re.compile(r".*\.self_attn\.[kv]_scale$"),  # KV-cache scales: read by the cache, not the weights
 )
 _READER_TENSOR = re.compile(r"model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm)\.")
-
-
-def kv_cache_scheme_of(config: dict) -> dict | None:
-    """``quantization_config.kv_cache_scheme`` of a config.json dict, or None."""
-    return (config.get("quantization_config") or {}).get("kv_cache_scheme")
 
 
 def no_quantization(module: str) -> None:

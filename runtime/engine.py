@@ -16,7 +16,6 @@ requests here.
 from __future__ import annotations
 
 import itertools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -90,18 +89,6 @@ def kv_layer_scales(ckpt: Checkpoint, owners: Iterable[int]) -> dict[int, tuple[
     return {i: (float(ckpt.get(k).float().max()), float(ckpt.get(v).float().max())) for i, (k, v) in names.items()}
 
 
-def kv_dtype_from_scheme(scheme: dict | None) -> str | None:
-    """``quantization_config.kv_cache_scheme`` -> our KV dtype name (None when absent)."""
-    if not scheme:
-        return None
-    kind = (scheme.get("type"), int(scheme.get("num_bits", 0)))
-    if kind == ("float", 8):
-        return "fp8_e4m3"
-    if kind == ("int", 8):
-        return "int8"
-    raise KvslimError(f"kv_cache_scheme {scheme} is not supported (8-bit float or int only)")
-
-
 class Engine:
     def __init__(
         self,
@@ -109,7 +96,6 @@ class Engine:
         config: EngineConfig = EngineConfig(),
         layer_scales: dict[int, tuple[float, float]] | None = None,
         kv_dtype_default: str | None = None,
-        eos_token_ids: Seq[int] = (),
     ):
         self.model = model
         self.config = config
@@ -139,7 +125,7 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.block_manager
         )
-        self.eos_token_ids = frozenset(eos_token_ids or spec.eos_token_ids)
+        self.eos_token_ids = frozenset(spec.eos_token_ids)
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._sent: dict[int, int] = {}  # tokens already reported per request
@@ -152,16 +138,11 @@ class Engine:
         from foundation.model_source import resolve_model
         from runtime.loader import load_model
 
-        path = resolve_model(str(model))
-        decoder = load_model(path, config.dtype)
-        ckpt = Checkpoint.open(path)
-        qc = ckpt.config.get("quantization_config") or {}
-        scales = kv_layer_scales(ckpt, decoder.spec.attention.cache_owners())
-        gen = path / "generation_config.json"
-        eos = json.loads(gen.read_text()).get("eos_token_id") if gen.exists() else None
-        eos_ids = ([eos] if isinstance(eos, int) else list(eos or ()))
-        return cls(decoder, config, scales, kv_dtype_from_scheme(qc.get("kv_cache_scheme")),
-                   eos_ids + list(decoder.spec.eos_token_ids))
+        ckpt = Checkpoint.open(resolve_model(str(model)))
+        decoder = load_model(ckpt, config.dtype)
+        spec = decoder.spec
+        scales = kv_layer_scales(ckpt, spec.attention.cache_owners())
+        return cls(decoder, config, scales, spec.quant.kv_dtype if spec.quant else None)
 
     # --- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams | None = None) -> int:

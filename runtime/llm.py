@@ -11,7 +11,6 @@ and abort the request. ``score`` runs a flattened batch over a ``ContiguousKVCac
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -97,7 +96,6 @@ class LLM:
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk = prefill_chunk
         self.tokenizer = self._load_tokenizer()
-        self.eos_token_ids = frozenset(self.spec.eos_token_ids) | self._generation_eos()
 
     # --- setup -------------------------------------------------------------------------------
     def _load_tokenizer(self):
@@ -106,13 +104,6 @@ class LLM:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(self.path), trust_remote_code=False)
-
-    def _generation_eos(self) -> frozenset[int]:
-        gen = self.path / "generation_config.json"
-        if not gen.is_file():
-            return frozenset()
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        return frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
     # --- facts -------------------------------------------------------------------------------
     def weight_bytes(self) -> int:
@@ -252,7 +243,7 @@ class LLM:
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.prefill_chunk, max_model_len=longest,
             enable_prefix_caching=True,
         )
-        return Engine(self.model, config, eos_token_ids=sorted(self.eos_token_ids))
+        return Engine(self.model, config)
 
     def _run(self, requests: list[_Request]) -> Iterator[_Request]:
         """Run ``requests`` on a fresh engine; yield each request whenever it changes."""

@@ -17,7 +17,7 @@ from torch import nn
 
 from foundation.checkpoint import Checkpoint
 from foundation.errors import CheckpointError
-from foundation.tensor_shapes import ModelShapes, check_tensors, check_understood, expected_tensors, kv_cache_scheme_of
+from foundation.tensor_shapes import check_tensors, check_understood, expected_tensors
 from runtime.layers.activation_dtype import choose_activation_dtype
 from runtime.layers.fused_linear import FusedLinear, SeparateLinears, in_features, out_features, stack_linear_tensors
 from runtime.layers.linear import make_linear
@@ -35,12 +35,12 @@ class CheckpointWeights:
     ) -> None:
         self.ckpt, self.spec, self.dtype, self.use_cpu_kernels = ckpt, spec, dtype, use_cpu_kernels
         self.fuse = fuse
-        self.shapes = ModelShapes.from_config(ckpt.config, spec.attention)
         self.used: set[str] = set()
 
     def check_tensors(self) -> None:
         """Every tensor the config and declared schemes imply is there, typed and shaped as they say."""
-        check_tensors(self.ckpt, expected_tensors(self.shapes, self._scheme, kv_cache_scheme_of(self.ckpt.config)))
+        kv_scheme = self.spec.quant.kv_scheme if self.spec.quant else None
+        check_tensors(self.ckpt, expected_tensors(self.spec, self._scheme, kv_scheme))
 
     def tensor(self, name: str) -> torch.Tensor:
         if not self.ckpt.has(name):
@@ -93,11 +93,11 @@ class CheckpointWeights:
         return FusedLinear(fused, [out_features(p) for p in parts])
 
     def check_all_used(self) -> None:
-        check_understood(self.ckpt, self.used, self.shapes)
+        check_understood(self.ckpt, self.used, self.spec)
 
 
 def load_model(
-    path: str | Path, dtype: str | torch.dtype = "float32", use_cpu_kernels: bool = True, fuse: bool = True
+    path: str | Path | Checkpoint, dtype: str | torch.dtype = "float32", use_cpu_kernels: bool = True, fuse: bool = True
 ) -> Decoder:
     """Load a checkpoint directory into a ``Decoder`` in eval mode.
 
@@ -107,8 +107,8 @@ def load_model(
     ``torch._int_mm`` for W8A8 (False: its fake-quantize + dequantize reference path).
     ``fuse``: q/k/v and gate/up projections as one GEMM each where their schemes match.
     """
-    ckpt = Checkpoint.open(path)
-    spec = ModelSpec.from_config(ckpt.config)
+    ckpt = path if isinstance(path, Checkpoint) else Checkpoint.open(path)
+    spec = ModelSpec.from_config(ckpt.config, ckpt.generation_config)
     choice = choose_activation_dtype(dtype, tuple(g.scheme for g in spec.quant.groups) if spec.quant else ())
     weights = CheckpointWeights(ckpt, spec, choice.dtype, use_cpu_kernels, fuse)
     weights.check_tensors()

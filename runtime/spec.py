@@ -8,13 +8,13 @@ quantization (``QuantSpec``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from foundation.architecture import model_type_of
 from foundation.attention_layout import FULL, SLIDING, AttentionLayout
 from foundation.errors import CheckpointError, KvslimError
-from foundation.quant_spec import QuantGroup, QuantSpec  # noqa: F401 (QuantGroup: re-exported)
+from foundation.quant_spec import QuantSpec
 from foundation.tensor_shapes import ModelShapes
 from runtime.attention_backend import AttentionParams
 
@@ -38,51 +38,38 @@ class RopeSpec:
         return out
 
 
-def servable_quant_spec(qc: dict) -> QuantSpec:
-    """``QuantSpec`` of a ``quantization_config`` the runtime can serve; raise ``KvslimError`` otherwise."""
-    method = qc.get("quant_method")
-    if method != "compressed-tensors":
-        raise KvslimError(
-            f"quantization_config.quant_method={method!r} is not supported; kvslim serves "
-            "compressed-tensors checkpoints (compress quantize writes them)"
-        )
-    for name, group in (qc.get("config_groups") or {}).items():
-        if group.get("output_activations"):
-            raise KvslimError(f"quantization group {name}: output activation quantization is not supported")
-        acts = group.get("input_activations")
-        if acts and not acts.get("dynamic", False):
-            raise KvslimError(f"quantization group {name}: static activation scales are not supported")
-        if acts and ((acts.get("type"), acts.get("strategy")) not in (("float", "token"), ("int", "token"))
-                     or int(acts.get("num_bits", 0)) != 8):
-            raise KvslimError(f"quantization group {name}: only dynamic per-token FP8 or INT8 activations are supported")
-    return QuantSpec.from_config(qc)
+def check_servable(quant: QuantSpec) -> QuantSpec:
+    """``quant`` if the runtime can serve its activation quantization; raise ``KvslimError`` otherwise."""
+    for group in quant.groups:
+        acts = group.scheme.input_activations
+        if acts is None:
+            continue
+        where = f"quantization group targeting {', '.join(group.targets)}"
+        if not acts.dynamic:
+            raise KvslimError(f"{where}: static activation scales are not supported")
+        if (acts.type, acts.strategy) not in (("float", "token"), ("int", "token")) or acts.num_bits != 8:
+            raise KvslimError(f"{where}: only dynamic per-token FP8 or INT8 activations are supported")
+    return quant
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class ModelSpec(ModelShapes):
+    """``ModelShapes`` (dimensions and tensor set, shared with compress and inspect) plus what the
+    decoder switches on and the declared quantization; built once per load from config.json."""
+
     model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    attention: AttentionLayout
     rms_norm_eps: float
     hidden_act: str
     max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool  # q/k/v projections carry a bias (Qwen2; Llama/Qwen3 with attention_bias)
-    o_bias: bool
-    mlp_bias: bool
-    qk_norm: bool  # RMSNorm over head_dim on q and k before rotary (Qwen3, Gemma 3)
     norm_offset: float  # Gemma: norms scale by (1 + weight)
     embed_scale: float | None  # Gemma: embeddings times sqrt(hidden_size)
-    sandwich_norm: bool  # Gemma: post-attention and pre/post-feedforward norms
     attn_scale: float
     rope: tuple[RopeSpec, ...]  # one per layer
     attn_logit_softcap: float | None
     final_logit_softcap: float | None
     quant: QuantSpec | None
     bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
+    eos_token_ids: tuple[int, ...]  # config.json's and generation_config.json's, in that order
 
     @property
     def num_layers(self) -> int:
@@ -104,8 +91,9 @@ class ModelSpec:
         return AttentionParams(self.attn_scale, la.window, la.kv_source, self.attn_logit_softcap)
 
     @classmethod
-    def from_config(cls, config: dict) -> "ModelSpec":
-        """Read a config.json dict; raise ``KvslimError`` for anything the runtime cannot serve."""
+    def from_config(cls, config: dict, generation_config: dict | None = None) -> "ModelSpec":
+        """Read a config.json dict (and generation_config.json's, for its EOS ids); raise
+        ``KvslimError`` for anything the runtime cannot serve."""
         model_type = model_type_of(config)
         gemma = model_type == "gemma3_text"
         config = _with_layer_types(config, model_type)
@@ -122,38 +110,35 @@ class ModelSpec:
                 raise KvslimError(
                     f"num_attention_heads={layout.num_heads} is not a multiple of num_key_value_heads={layout.num_kv_heads}"
                 )
-            eos = config.get("eos_token_id")
-            eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
-            qc = config.get("quantization_config")
+            eos_ids = _token_ids(config.get("eos_token_id"))
+            extra_eos = _token_ids((generation_config or {}).get("eos_token_id"))
+            eos_ids += tuple(e for e in dict.fromkeys(extra_eos) if e not in eos_ids)
+            quant = QuantSpec.of_model_config(config)
             scale_base = float(config.get("query_pre_attn_scalar") or layout.head_dim) if gemma else float(layout.head_dim)
             return cls(
+                **{f.name: getattr(shapes, f.name) for f in fields(ModelShapes)},
                 model_type=model_type,
-                vocab_size=shapes.vocab_size,
-                hidden_size=hidden,
-                intermediate_size=shapes.intermediate_size,
-                attention=layout,
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
                 hidden_act=str(act),
                 max_position_embeddings=int(config.get("max_position_embeddings") or 2048),
-                tie_word_embeddings=shapes.tie_word_embeddings,
-                qkv_bias=shapes.qkv_bias,
-                o_bias=shapes.o_bias,
-                mlp_bias=shapes.mlp_bias,
-                qk_norm=shapes.qk_norm,
                 norm_offset=1.0 if gemma else 0.0,
                 embed_scale=hidden**0.5 if gemma else None,
-                sandwich_norm=shapes.sandwich_norm,
                 attn_scale=scale_base**-0.5,
                 rope=_rope_per_layer(config, model_type),
                 # transformers' Gemma 3 attention ignores attn_logit_softcapping; so does the runtime.
                 attn_logit_softcap=None,
                 final_logit_softcap=_opt_float(config.get("final_logit_softcapping")) if gemma else None,
-                quant=servable_quant_spec(qc) if qc else None,
+                quant=check_servable(quant) if quant else None,
                 bos_token_id=config.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )
         except (KeyError, TypeError) as e:
             raise CheckpointError(f"config.json: missing or malformed key {e}") from None
+
+
+def _token_ids(value) -> tuple[int, ...]:
+    """An ``eos_token_id`` entry (an id, a list of ids or None) as a tuple."""
+    return tuple(int(e) for e in (value if isinstance(value, list) else [] if value is None else [value]))
 
 
 def _opt_float(v) -> float | None:

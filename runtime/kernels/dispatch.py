@@ -12,6 +12,7 @@ from typing import Literal
 import torch
 
 from foundation.errors import KvslimError
+from foundation.schemes import QuantScheme
 from runtime.kernels import dequant_matmul as dm
 from runtime.kernels import kv_store as kvs
 from runtime.kernels import paged_attention as pa
@@ -32,19 +33,17 @@ class WeightScheme:
     fp8_activations: bool = False
 
     @classmethod
-    def from_config_group(cls, group: Mapping) -> "WeightScheme":
-        """From a ``quantization_config.config_groups`` entry."""
-        w = group.get("weights") or {}
-        acts = group.get("input_activations") or None
-        kind, bits = w.get("type"), int(w.get("num_bits", 0))
-        if kind == "int" and bits in (4, 8) and acts is None:
-            return cls("int", bits, bool(w.get("symmetric", True)))
-        if kind == "float" and bits == 8 and w.get("strategy") in ("channel", "tensor"):
-            fp8_acts = acts is not None and acts.get("type") == "float" and bool(acts.get("dynamic"))
+    def from_scheme(cls, scheme: QuantScheme) -> "WeightScheme":
+        """The kernel family of a declared ``QuantScheme``; refuse one no kernel here computes."""
+        acts = scheme.input_activations
+        if scheme.type == "int" and scheme.num_bits in (4, 8) and acts is None:
+            return cls("int", scheme.num_bits, scheme.symmetric)
+        if scheme.type == "float" and scheme.num_bits == 8 and scheme.strategy == "channel":
+            fp8_acts = acts is not None and acts.type == "float" and acts.dynamic
             if acts is not None and not fp8_acts:
-                raise KvslimError(f"FP8 weights with activations {dict(acts)} have no kernel (only dynamic FP8 per-token)")
+                raise KvslimError(f"FP8 weights with activations {acts.describe()} have no kernel (only dynamic FP8 per-token)")
             return cls("float", 8, True, fp8_acts)
-        raise KvslimError(f"no kernel for weight scheme {dict(w)} with activations {acts}")
+        raise KvslimError(f"no kernel for weight scheme {scheme.describe()}")
 
 
 def _on_cuda(x: torch.Tensor) -> bool:

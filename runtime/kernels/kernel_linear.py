@@ -17,7 +17,7 @@ class KernelLinear(nn.Module):
 
     def __init__(self, tensors: dict[str, torch.Tensor], scheme: QuantScheme, bias: torch.Tensor | None = None):
         super().__init__()
-        self.scheme = WeightScheme.from_config_group(scheme.to_config_group())
+        self.scheme = WeightScheme.from_scheme(scheme)
         self.names = tuple(n for n in TENSOR_NAMES if n in tensors)
         for name in self.names:
             self.register_buffer(name, tensors[name].contiguous(), persistent=False)

@@ -48,8 +48,8 @@ def test_legacy_rope_keys_and_gemma_pattern(tiny_checkpoints):
     ({"num_key_value_heads": 3}, "not a multiple"),
     ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quant_method='gptq'"),
     ({"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"g": {
-        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
-        "input_activations": {"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": False}}}}},
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}}}},
      "static activation scales"),
     ({"kv_source_layers": [0, 0, 5, 3]}, "kv_source_layers"),
 ])

@@ -15,12 +15,12 @@ from tests.runtime.kernels.paged_setup import make_paged_batch
     (schemes.FP8_DYNAMIC, dispatch.WeightScheme("float", 8, True, fp8_activations=True)),
 ])
 def test_weight_scheme_from_our_config_groups(scheme, expected):
-    assert dispatch.WeightScheme.from_config_group(scheme.to_config_group()) == expected
+    assert dispatch.WeightScheme.from_scheme(scheme) == expected
 
 
 def test_unsupported_scheme_is_a_one_line_error():
     with pytest.raises(KvslimError, match="no kernel"):
-        dispatch.WeightScheme.from_config_group({"weights": {"type": "int", "num_bits": 2}})
+        dispatch.WeightScheme.from_scheme(schemes.W8A8)  # INT8 activations: torch._int_mm, no Triton kernel
 
 
 @pytest.mark.parametrize("scheme", [schemes.W4A16_ASYM, schemes.W8A16, schemes.FP8_DYNAMIC])
@@ -28,7 +28,7 @@ def test_quantized_linear_cpu_path_is_the_reference(scheme):
     w = torch.randn(32, 128)
     scale, zp = primitives.compute_qparams(w, scheme)
     tensors = primitives.encode_linear(primitives.quantize(w, scale, zp, scheme), scale, zp, scheme)
-    declared = dispatch.WeightScheme.from_config_group(scheme.to_config_group())
+    declared = dispatch.WeightScheme.from_scheme(scheme)
     x = torch.randn(2, 3, 128, dtype=torch.bfloat16)
     y = dispatch.quantized_linear(x, declared, tensors, bias=torch.ones(32, dtype=torch.bfloat16))
     assert y.shape == (2, 3, 32) and y.dtype == torch.bfloat16
@@ -68,7 +68,7 @@ def test_quantized_linear_agrees_with_the_runtime_layers(scheme):
     tensors = primitives.encode_linear(primitives.quantize(w, scale, zp, scheme), scale, zp, scheme)
     layer = make_linear("proj", tensors, scheme, torch.bfloat16, use_cpu_kernels=False)
     x = torch.randn(4, 128, dtype=torch.bfloat16)
-    ours = dispatch.quantized_linear(x, dispatch.WeightScheme.from_config_group(scheme.to_config_group()), tensors)
+    ours = dispatch.quantized_linear(x, dispatch.WeightScheme.from_scheme(scheme), tensors)
     # ours accumulates in fp32 from fp32 weights; the layer multiplies bf16 weights in bf16
     torch.testing.assert_close(ours.float(), layer(x).float(), rtol=2e-2, atol=2e-2 * ours.float().abs().max().item())
 
@@ -83,5 +83,5 @@ def test_kernel_linear_module(device, scheme):
     layer = KernelLinear(tensors, scheme, bias=torch.ones(32)).to(device)
     dtype = torch.bfloat16 if scheme.input_activations or device.type == "cuda" else torch.float32
     x = torch.randn(3, 128, dtype=dtype, device=device)
-    expected = dispatch.quantized_linear(x.cpu(), dispatch.WeightScheme.from_config_group(scheme.to_config_group()), tensors) + 1
+    expected = dispatch.quantized_linear(x.cpu(), dispatch.WeightScheme.from_scheme(scheme), tensors) + 1
     torch.testing.assert_close(layer(x).cpu().float(), expected.float(), rtol=2e-2, atol=2e-2 * expected.float().abs().max().item())
