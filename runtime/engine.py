@@ -55,8 +55,11 @@ class EngineConfig:
 
 
 @dataclass
-class RequestOutput:
-    """A request's state after a step: generated tokens so far and, when finished, why."""
+class StepOutput:
+    """A request's state after a step: generated token ids so far and, when finished, why.
+
+    The engine's own record, in token ids; ``runtime.llm.RequestOutput`` (vLLM's shape, with
+    text) is what users of ``LLM`` receive."""
 
     request_id: int
     prompt_token_ids: list[int]
@@ -165,7 +168,7 @@ class Engine:
             self._prompt_logprobs[rid] = [None]
         return rid
 
-    def abort(self, request_id: int) -> RequestOutput | None:
+    def abort(self, request_id: int) -> StepOutput | None:
         seq = self.scheduler.abort(request_id)
         return self._output(seq) if seq is not None else None
 
@@ -175,7 +178,7 @@ class Engine:
 
     # --- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[StepOutput]:
         """Schedule, run one decoder call, sample, postprocess. Returns outputs of the requests
         that produced a token (or finished) this step.
 
@@ -237,14 +240,14 @@ class Engine:
             targets = torch.tensor(seq.prompt_token_ids[first + lo + 1:first + hi + 1], dtype=torch.long)
             lps.extend(token_logprobs(self.model.compute_logits(hidden[lo:hi]), targets, seq.sampling.prompt_logprobs))
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def _output(self, seq: Sequence) -> StepOutput:
         sent = self._sent.get(seq.seq_id, 0)
         self._sent[seq.seq_id] = len(seq.output_token_ids)
         prompt_lps = self._prompt_logprobs.get(seq.seq_id)
         if seq.is_finished:
             for d in (self._sent, self._generators, self._prompt_logprobs):
                 d.pop(seq.seq_id, None)
-        return RequestOutput(
+        return StepOutput(
             request_id=seq.seq_id,
             prompt_token_ids=seq.prompt_token_ids,
             token_ids=list(seq.output_token_ids),
@@ -287,7 +290,7 @@ class Engine:
     # --- offline API ---------------------------------------------------------------------------
     def stream(
         self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None
-    ) -> Iterator[RequestOutput]:
+    ) -> Iterator[StepOutput]:
         """Add ``prompts`` and step until they finish, yielding each request's output whenever
         it gains a token. Requests already in the engine keep running alongside."""
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
@@ -308,7 +311,7 @@ class Engine:
 
     def generate(
         self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None
-    ) -> list[RequestOutput]:
+    ) -> list[StepOutput]:
         """Final outputs, in prompt order (``LLM.generate`` semantics)."""
         final = {o.request_id: o for o in self.stream(prompts, params) if o.finished}
         return [final[r] for r in sorted(final)]  # request ids grow in prompt order

@@ -6,8 +6,8 @@
 
 ``generate`` and ``stream`` run on the serving engine (``runtime/engine.py``: paged cache,
 continuous batching, chunked prefill of ``prefill_chunk`` tokens, at most ``max_num_seqs`` running),
-one engine per call sized for its requests; stop strings are matched on the detokenized text here
-and abort the request. ``score`` runs a flattened batch over a ``ContiguousKVCache``.
+one engine per call sized for its requests; stop strings are matched by the ``Detokenizer`` as
+tokens come and abort the request. ``score`` runs a flattened batch over a ``ContiguousKVCache``.
 """
 from __future__ import annotations
 
@@ -21,10 +21,11 @@ from foundation.errors import KvslimError
 from foundation.model_source import resolve_model
 from runtime.contiguous_cache import ContiguousKVCache
 from runtime.engine import MODEL_KV_DTYPES, Engine, EngineConfig
-from runtime.engine import RequestOutput as EngineOutput
+from runtime.engine import StepOutput
 from runtime.kv_cache import KVCacheSpec
 from runtime.loader import live_weight_bytes, load_model
-from runtime.sampling import SamplingParams, TokenLogprob, find_stop
+from runtime.sampling import SamplingParams, TokenLogprob
+from runtime.server.detokenizer import Detokenizer
 
 PromptInput = str | Sequence[int]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -57,8 +58,7 @@ class _Request:
     out_ids: list[int]
     out_logprobs: list[TokenLogprob]
     cumulative: float = 0.0
-    text: str = ""
-    stop_text: str | None = None  # the text cut at a stop string, when one ended the request
+    detokenizer: Detokenizer | None = None  # with stop strings: matches them as tokens come
     finish_reason: str | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
@@ -227,7 +227,8 @@ class LLM:
                 raise KvslimError("stop strings need a tokenizer; this checkpoint has none")
             text, ids = self._tokenize(prompt, i)
             self._check_length(ids, i)
-            requests.append(_Request(i, text, ids, p, [], []))
+            detokenizer = Detokenizer.for_params(self.tokenizer, p) if p.stop else None
+            requests.append(_Request(i, text, ids, p, [], [], detokenizer=detokenizer))
         return requests
 
     def _engine(self, requests: list[_Request]) -> Engine:
@@ -264,30 +265,26 @@ class LLM:
                 if r.finish_reason is None:
                     engine.abort(rid)
 
-    def _update(self, r: _Request, o: EngineOutput) -> None:
+    def _update(self, r: _Request, o: StepOutput) -> None:
         r.out_ids = list(o.token_ids)
         if o.logprobs is not None:
             r.out_logprobs = list(o.logprobs)
             r.cumulative = sum(lp.logprob for lp in r.out_logprobs)
         if o.prompt_logprobs is not None:
             r.prompt_logprobs = list(o.prompt_logprobs)
-        p = r.params
-        if p.stop and o.new_token_ids:
-            before = len(r.text)
-            r.text = self.tokenizer.decode(r.out_ids, skip_special_tokens=True)
-            hit = find_stop(r.text, p.stop, max(0, before - max(map(len, p.stop))))
-            if hit is not None:
-                j, s = hit
-                r.stop_text = r.text[: j + len(s)] if p.include_stop_str_in_output else r.text[:j]
+        if r.detokenizer is not None and o.new_token_ids:
+            r.detokenizer.update(r.out_ids, o.finished)
+            if r.detokenizer.stopped:
                 r.finish_reason = "stop"
                 return
         if o.finished:
             r.finish_reason = o.finish_reason
 
     def _output(self, r: _Request) -> RequestOutput:
-        text = r.stop_text
-        if text is None:
-            text = self.tokenizer.decode(r.out_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        if r.detokenizer is not None and r.detokenizer.stopped:
+            text = r.detokenizer.text
+        else:
+            text = Detokenizer(self.tokenizer).decode(r.out_ids) if self.tokenizer is not None else ""
         completion = CompletionOutput(
             text=text,
             token_ids=tuple(r.out_ids),

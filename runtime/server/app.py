@@ -203,7 +203,7 @@ def create_app(
 
     async def steps(ids: list[int], params: SamplingParams, request: Request, poll_disconnect: bool) -> AsyncIterator[Step]:
         """Run one request on the engine; yield what each output adds. Closing this aborts it."""
-        st = _Stream(Detokenizer(tokenizer, params.stop), RequestTimer(metrics, time.perf_counter()))
+        st = _Stream(Detokenizer.for_params(tokenizer, params), RequestTimer(metrics, time.perf_counter()))
         outputs = engine.generate(ids, params)
         finish, n_out = "abort", 0
         try:

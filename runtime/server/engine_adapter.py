@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from runtime.engine import Engine, RequestOutput
+from runtime.engine import Engine, StepOutput
 from runtime.sampling import SamplingParams
 from runtime.server.engine_client import EngineSnapshot
 
@@ -59,7 +59,7 @@ class ThreadedEngine:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
         key = next(self._keys)
         outputs: asyncio.Queue = asyncio.Queue()
         self._inbox.put(_Add(key, list(prompt_token_ids), params, asyncio.get_running_loop(), outputs))

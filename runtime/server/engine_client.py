@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Protocol
 from runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from runtime.engine import RequestOutput
+    from runtime.engine import StepOutput
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class EngineClient(Protocol):
     async def shutdown(self) -> None:
         """Stop the step thread (after in-flight requests have drained)."""
 
-    def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[StepOutput]:
         """Submit a request; yield its output each time it gains tokens, the last one finished.
         Closing the iterator early aborts the request and frees its blocks."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from runtime.engine import RequestOutput
+from runtime.engine import StepOutput
 from runtime.sampling import SamplingParams
 from runtime.server.app import create_app
 from runtime.server.engine_client import EngineSnapshot
@@ -32,7 +32,7 @@ class FakeEngine:
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams):
         self.params.append(params)
         tokens = [11] * params.max_tokens
-        yield RequestOutput(0, prompt_token_ids, tokens, tokens, None, True, "length")
+        yield StepOutput(0, prompt_token_ids, tokens, tokens, None, True, "length")
 
     def snapshot(self) -> EngineSnapshot:
         return EngineSnapshot(0, 0, (0,), (1,), 0, 0, 0)
