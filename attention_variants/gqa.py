@@ -31,6 +31,7 @@ from attention_variants.projections import (
     real_rows,
     store_augmented,
 )
+from foundation.architecture import KV_PROJECTIONS
 
 MergeMethod = Literal["mean", "calib"]
 MERGE_METHODS = ("mean", "calib")
@@ -61,7 +62,7 @@ def _shape(config: dict) -> tuple[int, int, int]:
 
 def _mean_merge(w: dict, config: dict, layer: int, new_kv: int) -> None:
     _, old_kv, head_dim = _shape(config)
-    for proj in ("k_proj", "v_proj"):
+    for proj in KV_PROJECTIONS:
         for param in ("weight", "bias"):
             key = proj_key(layer, proj, param)
             if key in w:

@@ -23,6 +23,7 @@ from attention_variants.projections import (
     proj_key,
     store_augmented,
 )
+from foundation.architecture import KV_PROJECTIONS
 
 SupplierSelect = Literal["first", "calib"]
 ShareFit = Literal["none", "calib"]
@@ -171,7 +172,7 @@ def share_kv(
                 wo[:, h] = wo[:, h] @ a[g]
             store_augmented(out, r, "q_proj", wq.reshape(n_heads * d, -1), dtype)
             out[proj_key(r, "o_proj")] = wo.reshape(wo.shape[0], -1).to(dtype).contiguous()
-        for proj in ("k_proj", "v_proj"):
+        for proj in KV_PROJECTIONS:
             for param in ("weight", "bias"):
                 out.pop(proj_key(r, proj, param), None)
     return out

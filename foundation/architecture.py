@@ -4,7 +4,9 @@ from __future__ import annotations
 from foundation.errors import UnsupportedArchitecture
 
 # The Linear modules of a decoder layer, as every supported family names them.
-ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")  # under self_attn
+KV_PROJECTIONS = ("k_proj", "v_proj")  # absent in a layer that reads another layer's KV
+QKV_PROJECTIONS = ("q_proj",) + KV_PROJECTIONS  # one input: fusable into one GEMM
+ATTENTION_PROJECTIONS = QKV_PROJECTIONS + ("o_proj",)  # under self_attn
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # under mlp
 PROJECTIONS = ATTENTION_PROJECTIONS + MLP_PROJECTIONS
 

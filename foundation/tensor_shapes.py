@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Container
 
-from foundation.architecture import model_type_of
+from foundation.architecture import ATTENTION_PROJECTIONS, KV_PROJECTIONS, MLP_PROJECTIONS, model_type_of
 from foundation.attention_layout import AttentionLayout
 from foundation.checkpoint import Checkpoint
 from foundation.errors import CheckpointError
@@ -119,24 +119,27 @@ class TensorRule:
     contents: tuple[int, ...] | None = None  # the values of a tiny tensor (``weight_shape``)
 
 
-def layer_linears(shapes: ModelShapes, i: int) -> list[LinearShape]:
-    """The Linears of decoder layer ``i``."""
+def layer_linears(shapes: ModelShapes, i: int) -> dict[str, LinearShape]:
+    """The Linears of decoder layer ``i``, by projection name (``ATTENTION_PROJECTIONS`` then
+    ``MLP_PROJECTIONS``; a KV reader has no ``KV_PROJECTIONS``)."""
     p = f"model.layers.{i}."
     hidden, inter = shapes.hidden_size, shapes.intermediate_size
     q_out = shapes.attention.num_heads * shapes.attention.head_dim
     kv_out = shapes.attention.layers[i].num_kv_heads * shapes.attention.head_dim
-    linears = [LinearShape(p + "self_attn.q_proj", q_out, hidden, shapes.qkv_bias,
-                           "hidden_size -> num_attention_heads x head_dim")]
-    if shapes.owns_kv(i):
-        linears += [LinearShape(p + f"self_attn.{n}", kv_out, hidden, shapes.qkv_bias,
-                                "hidden_size -> num_key_value_heads x head_dim") for n in ("k_proj", "v_proj")]
-    return linears + [
-        LinearShape(p + "self_attn.o_proj", hidden, q_out, shapes.o_bias,
-                    "num_attention_heads x head_dim -> hidden_size"),
-        LinearShape(p + "mlp.gate_proj", inter, hidden, shapes.mlp_bias, "hidden_size -> intermediate_size"),
-        LinearShape(p + "mlp.up_proj", inter, hidden, shapes.mlp_bias, "hidden_size -> intermediate_size"),
-        LinearShape(p + "mlp.down_proj", hidden, inter, shapes.mlp_bias, "intermediate_size -> hidden_size"),
-    ]
+    q_dims = "num_attention_heads x head_dim"
+    kv = (kv_out, hidden, shapes.qkv_bias, "hidden_size -> num_key_value_heads x head_dim")
+    dims = {
+        "q_proj": (q_out, hidden, shapes.qkv_bias, f"hidden_size -> {q_dims}"),
+        "k_proj": kv,
+        "v_proj": kv,
+        "o_proj": (hidden, q_out, shapes.o_bias, f"{q_dims} -> hidden_size"),
+        "gate_proj": (inter, hidden, shapes.mlp_bias, "hidden_size -> intermediate_size"),
+        "up_proj": (inter, hidden, shapes.mlp_bias, "hidden_size -> intermediate_size"),
+        "down_proj": (hidden, inter, shapes.mlp_bias, "intermediate_size -> hidden_size"),
+    }
+    names = [n for n in ATTENTION_PROJECTIONS if shapes.owns_kv(i) or n not in KV_PROJECTIONS]
+    modules = [(n, f"{p}self_attn.{n}") for n in names] + [(n, f"{p}mlp.{n}") for n in MLP_PROJECTIONS]
+    return {n: LinearShape(module, *dims[n]) for n, module in modules}
 
 
 def linear_rules(linear: LinearShape, scheme: QuantScheme | None) -> dict[str, TensorRule]:
@@ -193,7 +196,7 @@ def expected_tensors(shapes: ModelShapes, scheme_for: SchemeFor, kv_cache_scheme
     if shapes.sandwich_norm:
         norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
     for i in range(shapes.attention.num_layers):
-        for linear in layer_linears(shapes, i):
+        for linear in layer_linears(shapes, i).values():
             rules.update(linear_rules(linear, scheme_for(linear.module)))
         p = f"model.layers.{i}."
         for norm in norms:

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from foundation.architecture import QKV_PROJECTIONS
+from foundation.tensor_shapes import layer_linears
 from runtime.attention_backend import AttentionBackend
 from runtime.layers.activation_dtype import ActivationDtype
 from runtime.layers.attention import Attention
@@ -51,18 +53,18 @@ class DecoderLayer(nn.Module):
             n.weight.data = weight.float() if spec.norm_offset else weight.to(dtype)
             return n
 
-        owns_kv = la.kv_source == i  # a KV reader has no k/v projections: q alone
-        qkv = ("q_proj", "k_proj", "v_proj") if owns_kv else ("q_proj",)
+        linears = layer_linears(spec, i)  # a KV reader has no k/v projections: q alone
+        qkv = [linears[n].module for n in QKV_PROJECTIONS if n in linears]
         self.self_attn = Attention(
             i, spec.num_heads, la.num_kv_heads, spec.head_dim,
-            qkv_proj=w.linears([p + "self_attn." + n for n in qkv], spec.qkv_bias),
-            o_proj=w.linear(p + "self_attn.o_proj", spec.o_bias),
+            qkv_proj=w.linears(qkv, spec.qkv_bias),
+            o_proj=w.linear(linears["o_proj"].module, spec.o_bias),
             q_norm=norm("self_attn.q_norm", spec.head_dim) if spec.qk_norm else None,
-            k_norm=norm("self_attn.k_norm", spec.head_dim) if spec.qk_norm and owns_kv else None,
+            k_norm=norm("self_attn.k_norm", spec.head_dim) if spec.qk_norm and spec.owns_kv(i) else None,
         )
         self.mlp = GatedMLP(
-            w.linears([p + "mlp.gate_proj", p + "mlp.up_proj"], spec.mlp_bias),
-            w.linear(p + "mlp.down_proj", spec.mlp_bias),
+            w.linears([linears["gate_proj"].module, linears["up_proj"].module], spec.mlp_bias),
+            w.linear(linears["down_proj"].module, spec.mlp_bias),
             spec.hidden_act,
         )
         self.input_layernorm = norm("input_layernorm", spec.hidden_size)
