@@ -26,7 +26,7 @@ test: install
 ## The quick benchmarks (minutes on 2 cores): KV bytes and capacity, quantized-KV perplexity as
 ## served, decode speed of each weight storage at fp32 vs bf16. JSON lands in runs/.
 bench: install
-	$(PYTHON) -m runtime.kv_report --budget-gib 1 --json runs/kv_report.json
+	$(PYTHON) -m runtime.cache.kv_report --budget-gib 1 --json runs/kv_report.json
 	$(PYTHON) benchmarks/engine_kv_perplexity.py --tokens 1024 --json runs/engine_kv_ppl.json
 	$(PYTHON) benchmarks/activation_dtype.py speed --batch 1 8 --new-tokens 16 --json runs/activation_dtype_speed.json
 

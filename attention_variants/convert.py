@@ -20,7 +20,11 @@ from attention_variants.calibration import (
     calibration_batches,
     capture_attention_inputs,
 )
-from attention_variants.modeling_files import CAUSAL_LM_CLASSES, auto_map_for, write_modeling_file
+from attention_variants.modeling_files import (
+    CAUSAL_LM_CLASSES,
+    auto_map_for,
+    write_modeling_file,
+)
 from foundation.architecture import model_type_of
 from foundation.atomic import atomic_output_dir, check_output_dir
 from foundation.attention_layout import KV_SOURCE_KEY, AttentionLayout

@@ -9,7 +9,12 @@ from attention_variants.modeling_files import checkpoint_code_is_ours
 from foundation.attention_layout import AttentionLayout
 from foundation.checkpoint import Checkpoint
 from foundation.errors import KvslimError
-from foundation.perplexity import PerplexityResult, hf_logits_fn, perplexity, tokenize_range
+from foundation.perplexity import (
+    PerplexityResult,
+    hf_logits_fn,
+    perplexity,
+    tokenize_range,
+)
 from foundation.texts import DEFAULT_EVAL
 
 EVAL_CONTEXT = 1024  # sliding-window figures need context beyond the window

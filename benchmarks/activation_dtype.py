@@ -11,7 +11,7 @@ fp32 as stored, W4A16 g32, W8A16, FP8 weight-only, FP8_DYNAMIC, W8A8), each run 
 - quality: perplexity through the engine's paged cache (``Engine.score``, as served; KV in the
   activation dtype) on the first ``--tokens`` tokens of ``wikipedia:eval``, context 512, stride
   256, and the largest |logit| difference bf16 vs fp32 over the first window.
-What ``dtype="auto"`` picks (``runtime.layers.activation_dtype``) is printed beside the CPU flags.
+What ``dtype="auto"`` picks (``runtime.model.layers.activation_dtype``) is printed beside the CPU flags.
 """
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ def checkpoints(src: Path, kinds: list[str], work: Path):
 
 
 def speed(src: Path, args) -> list[dict]:
+    from runtime.engine.sampling import SamplingParams
     from runtime.llm import LLM
-    from runtime.sampling import SamplingParams
 
     ids = eval_ids(src, 64 * max(args.batch))
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
@@ -71,7 +71,7 @@ def speed(src: Path, args) -> list[dict]:
 
 def quality(src: Path, args) -> list[dict]:
     from foundation.perplexity import perplexity
-    from runtime.engine import Engine, EngineConfig
+    from runtime.engine.engine import Engine, EngineConfig
 
     ids = torch.tensor(eval_ids(src, args.tokens))
     rows = []
@@ -113,7 +113,10 @@ def main() -> int:
     torch.set_num_threads(2)
 
     from foundation.model_source import resolve_model
-    from runtime.layers.activation_dtype import CpuFeatures, choose_activation_dtype
+    from runtime.model.layers.activation_dtype import (
+        CpuFeatures,
+        choose_activation_dtype,
+    )
 
     src = resolve_model("smollm2")
     features = CpuFeatures.detect()

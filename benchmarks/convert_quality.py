@@ -46,9 +46,17 @@ def main() -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(2)
-    from attention_variants.calibration import calibration_batches, capture_attention_inputs
+    from attention_variants.calibration import (
+        calibration_batches,
+        capture_attention_inputs,
+    )
     from attention_variants.convert import ConvertSpec, convert
-    from attention_variants.summary import BF16, EVAL_CONTEXT, EVAL_STRIDE, eval_perplexity
+    from attention_variants.summary import (
+        BF16,
+        EVAL_CONTEXT,
+        EVAL_STRIDE,
+        eval_perplexity,
+    )
     from foundation.attention_layout import AttentionLayout
     from foundation.checkpoint import Checkpoint
     from foundation.model_source import resolve_model

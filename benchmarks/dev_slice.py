@@ -6,7 +6,13 @@ from pathlib import Path
 
 import torch
 
-from foundation.perplexity import DEFAULT_CONTEXT, DEFAULT_STRIDE, hf_logits_fn, perplexity, tokenize_range
+from foundation.perplexity import (
+    DEFAULT_CONTEXT,
+    DEFAULT_STRIDE,
+    hf_logits_fn,
+    perplexity,
+    tokenize_range,
+)
 
 CALIB = "wikipedia:calib"
 SEQ_LEN = 512

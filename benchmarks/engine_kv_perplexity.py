@@ -32,8 +32,8 @@ def main() -> int:
 
     from foundation.model_source import resolve_model
     from foundation.perplexity import perplexity, tokenize_range
-    from runtime.engine import Engine, EngineConfig
-    from runtime.loader import load_model
+    from runtime.engine.engine import Engine, EngineConfig
+    from runtime.model.loader import load_model
 
     path = resolve_model(args.model)
     ids = tokenize_range(AutoTokenizer.from_pretrained(path), args.text, max_tokens=args.tokens)

@@ -50,8 +50,8 @@ def real_prompts(tokenizer, n: int) -> list[list[int]]:
 
 
 def run_engine(model_dir: Path, dtype: str, prompts: list[list[int]], new_tokens: int) -> dict:
-    from runtime.engine import Engine, EngineConfig
-    from runtime.sampling import SamplingParams
+    from runtime.engine.engine import Engine, EngineConfig
+    from runtime.engine.sampling import SamplingParams
 
     engine = Engine.from_checkpoint(model_dir, EngineConfig(
         dtype=dtype, max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=512,
@@ -212,7 +212,7 @@ def main() -> int:
 
 
 def cpu_flags() -> str:
-    from runtime.layers.activation_dtype import CpuFeatures
+    from runtime.model.layers.activation_dtype import CpuFeatures
 
     return CpuFeatures.detect().describe()
 

@@ -38,7 +38,13 @@ from compress.calibration import CalibrationSpec
 from compress.quantize import quantize_checkpoint
 from compress.sequential_quantizer import calibrated_quantizer
 from foundation.model_source import resolve_model
-from foundation.perplexity import DEFAULT_CONTEXT, DEFAULT_STRIDE, hf_logits_fn, perplexity, tokenize_range
+from foundation.perplexity import (
+    DEFAULT_CONTEXT,
+    DEFAULT_STRIDE,
+    hf_logits_fn,
+    perplexity,
+    tokenize_range,
+)
 from foundation.schemes import QuantScheme, default_scheme
 
 TEXT = "wikipedia:eval"
@@ -94,7 +100,10 @@ def run_fp8_activations_only(src: Path, ids: torch.Tensor) -> dict:
     from transformers import AutoModelForCausalLM
 
     from compress.quantize import DEFAULT_IGNORE
-    from foundation.activation_quant import LinearInputQuantizer, fake_quantize_fp8_per_token
+    from foundation.activation_quant import (
+        LinearInputQuantizer,
+        fake_quantize_fp8_per_token,
+    )
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     with LinearInputQuantizer(model, fake_quantize_fp8_per_token, select=lambda name: name not in DEFAULT_IGNORE):

@@ -56,7 +56,10 @@ def main() -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(2)
-    from attention_variants.calibration import calibration_batches, capture_attention_inputs
+    from attention_variants.calibration import (
+        calibration_batches,
+        capture_attention_inputs,
+    )
     from attention_variants.convert import ConvertSpec, convert
     from attention_variants.heal import HealSpec, heal
     from attention_variants.summary import load_for_eval

@@ -83,8 +83,15 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(2)
 
-    from dev_slice import dev_perplexity, dev_slice  # benchmarks/dev_slice.py, beside this script
-    from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig
+    from dev_slice import (  # benchmarks/dev_slice.py, beside this script
+        dev_perplexity,
+        dev_slice,
+    )
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        CompressedTensorsConfig,
+    )
 
     from compress.calibration import CalibrationSpec, calibration_ids
     from foundation.model_source import resolve_model

@@ -153,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     err = None
                 qd = b["q"].reshape(B, q_len, H, D).transpose(1, 2)
-                sdpa = lambda: F.scaled_dot_product_attention(qd, b["dense_k"], b["dense_v"], is_causal=phase == "prefill",
-                                                              scale=D ** -0.5, enable_gqa=True)
+                sdpa = lambda k=b["dense_k"], v=b["dense_v"]: F.scaled_dot_product_attention(
+                    qd, k, v, is_causal=phase == "prefill", scale=D ** -0.5, enable_gqa=True)
                 paged_ms, sdpa_ms = timer.ms(run), timer.ms(sdpa)
                 moved = kv_bytes(b, B, ctx)
                 flops = 4 * B * H * D * (q_len * ctx if phase == "decode" else ctx * (ctx + 1) // 2)

@@ -30,7 +30,13 @@ import torch
 from compress.quantize import quantize_checkpoint
 from compress.summary import totals
 from foundation.model_source import resolve_model
-from foundation.perplexity import DEFAULT_CONTEXT, DEFAULT_STRIDE, hf_logits_fn, perplexity, tokenize_range
+from foundation.perplexity import (
+    DEFAULT_CONTEXT,
+    DEFAULT_STRIDE,
+    hf_logits_fn,
+    perplexity,
+    tokenize_range,
+)
 from foundation.schemes import FP8_DYNAMIC, W4A16, W8A16, QuantScheme
 
 TEXT = "wikipedia:eval"

@@ -3,10 +3,10 @@
 For the default model (SmolLM2-135M) as fp32 / bf16 dense and quantized (W8A16, INT4 default,
 FP8_DYNAMIC), with torch's CPU weight-only kernels (bf16) and with dequantize-per-forward:
 
-- ``prefill_ms``: one 256-token prompt (real text, ``wikipedia:eval``), one forward, logits of
-  the last token;
-- ``decode_ms@B``: one decode step of B sequences (each with 64 cached tokens), flattened batch
-  through the contiguous cache (median of 5);
+- ``prefill_ms``: one 256-token prompt (real text, ``wikipedia:eval``), one forward through the
+  engine's paged cache, logits of every position (as transformers' ``model(ids)``);
+- ``decode_ms@B``: one engine step decoding B sequences (each with 64 cached tokens): flattened
+  batch, paged cache, sampling (median of 5);
 - ``weights_MiB``: resident weight bytes measured from the live tensors.
 
 transformers rows: the same model, ``model(ids)`` for prefill and one cached decode step on a
@@ -54,31 +54,23 @@ def quantized_checkpoint(source: Path, name: str) -> Path:
 
 @torch.inference_mode()
 def bench_runtime(path: Path, dtype: str, kernels: bool, ids: list[int]) -> dict:
-    from runtime.contiguous_cache import ContiguousKVCache
-    from runtime.loader import live_weight_bytes, load_model
+    """Prefill of PROMPT tokens, and one engine decode step at each batch of CONTEXT-token sequences."""
+    from runtime.engine.engine import Engine
+    from runtime.engine.sampling import SamplingParams
+    from runtime.model.loader import live_weight_bytes, load_model
 
     model = load_model(path, dtype, use_cpu_kernels=kernels)
     row = {"weights_MiB": live_weight_bytes(model) / 2**20}
-
-    def prefill():
-        cache = ContiguousKVCache(model.spec, model.dtype)
-        cache.add_sequence(0, PROMPT)
-        h = model(torch.tensor(ids[:PROMPT]), cache.begin_step([(0, PROMPT)]), cache)
-        model.compute_logits(h[-1:])
-
-    row["prefill_ms"] = _timed(prefill, 2)
+    scorer = Engine.sized_for(model, PROMPT, 1, max_num_batched_tokens=PROMPT)
+    row["prefill_ms"] = _timed(lambda: scorer.score(ids[:PROMPT]), 2)
     for b in BATCHES:
-        cache = ContiguousKVCache(model.spec, model.dtype)
+        engine = Engine.sized_for(model, CONTEXT + REPS + 8, b, max_num_seqs=b, max_num_batched_tokens=b * CONTEXT,
+                                  enable_prefix_caching=False)
+        params = SamplingParams(temperature=0, max_tokens=REPS + 4, ignore_eos=True)
         for s in range(b):
-            cache.add_sequence(s, CONTEXT + REPS + 1)
-            cache.begin_step([(s, CONTEXT)])
-            model(torch.tensor(ids[s:s + CONTEXT]), torch.arange(CONTEXT), cache)
-
-        def step():
-            pos = cache.begin_step([(s, 1) for s in range(b)])
-            model.compute_logits(model(torch.tensor(ids[:b]), pos, cache))
-
-        row[f"decode_ms@{b}"] = _timed(step, REPS)
+            engine.add_request(ids[s:s + CONTEXT], params)
+        engine.step()  # every prompt prefilled, first tokens sampled
+        row[f"decode_ms@{b}"] = _timed(engine.step, REPS)
     return row
 
 

@@ -31,7 +31,12 @@ from foundation.checkpoint import Checkpoint, ShardWriter, write_config
 from foundation.errors import KvslimError
 from foundation.primitives import dequantize_linear
 from foundation.schemes import QuantScheme
-from foundation.tensor_shapes import ModelShapes, check_checkpoint, kv_scale_rules, no_quantization
+from foundation.tensor_shapes import (
+    ModelShapes,
+    check_checkpoint,
+    kv_scale_rules,
+    no_quantization,
+)
 
 DEFAULT_IGNORE = ("lm_head",)
 # A pending shard is held in memory until it is written, so the shard size bounds the writer's

@@ -6,7 +6,7 @@
 
 Scores are computed the way lm-eval's ``hf`` model computes them (same tokenization through
 ``TemplateLM``, same truncation to ``max_length + 1`` tokens, same rolling windows), but every
-forward pass runs through the paged KV cache of :class:`runtime.engine.Engine`, so quantized
+forward pass runs through the paged KV cache of :class:`runtime.engine.engine.Engine`, so quantized
 weights and a quantized KV cache are measured as served. Requests are batched by the engine's
 scheduler (continuous batching); each asks for its prompt logprobs with the top-1 alternative,
 which gives both the continuation's logprob and whether it was the greedy choice.
@@ -19,7 +19,12 @@ from typing import Any
 
 import torch
 from lm_eval.api.model import TemplateLM
-from lm_eval.models.utils import _add_special_kwargs, handle_stop_sequences, has_bos_prefix, postprocess_generated_text
+from lm_eval.models.utils import (
+    _add_special_kwargs,
+    handle_stop_sequences,
+    has_bos_prefix,
+    postprocess_generated_text,
+)
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
@@ -56,7 +61,7 @@ class KvslimLM(TemplateLM):
         from transformers import AutoTokenizer
 
         from foundation.model_source import resolve_model
-        from runtime.engine import Engine, EngineConfig
+        from runtime.engine.engine import Engine, EngineConfig
 
         kv = str(kv_cache_dtype).lower()
         if kv not in KV_CACHE_DTYPES:
@@ -106,7 +111,7 @@ class KvslimLM(TemplateLM):
                      disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         """(logprob of the continuation, greedy?) per (context, continuation) token pair, truncated
         as lm-eval's ``hf`` model does: to the last ``max_length + 1`` tokens."""
-        from runtime.sampling import SamplingParams
+        from runtime.engine.sampling import SamplingParams
 
         # The whole sequence is the prompt: its prompt logprobs cover every continuation token.
         params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1, ignore_eos=True)
@@ -154,7 +159,7 @@ class KvslimLM(TemplateLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy (or sampled, per the task's ``do_sample``/``temperature``) continuations, cut at
         the task's stop strings and EOS as lm-eval's ``hf`` model cuts them."""
-        from runtime.sampling import SamplingParams
+        from runtime.engine.sampling import SamplingParams
 
         eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
         prompts, params, stops = [], [], []

@@ -16,7 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from eval.perplexity_task import PERPLEXITY_TASKS, PERPLEXITY_TOKENS, run_perplexity_task
+from eval.perplexity_task import (
+    PERPLEXITY_TASKS,
+    PERPLEXITY_TOKENS,
+    run_perplexity_task,
+)
 from eval.results_cache import EvalResults, TaskScore
 from eval.task_pack import LM_EVAL_TASKS, PACK_VERSION, ensure_pack
 from foundation.errors import CheckpointError, KvslimError
@@ -150,7 +154,7 @@ class EvalPlan:
         import lm_eval
         import transformers
 
-        from runtime.layers.activation_dtype import choose_activation_dtype
+        from runtime.model.layers.activation_dtype import choose_activation_dtype
 
         return {
             "tasks": sorted(self.tasks),

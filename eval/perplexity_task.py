@@ -7,7 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from foundation.perplexity import DEFAULT_CONTEXT, DEFAULT_STRIDE, LogitsFn, perplexity, tokenize_range
+from foundation.perplexity import (
+    DEFAULT_CONTEXT,
+    DEFAULT_STRIDE,
+    LogitsFn,
+    perplexity,
+    tokenize_range,
+)
 
 # 8,192 tokens: the length DATA.md's reference figure (12.52 on pydoc:eval for the default model) uses.
 PERPLEXITY_TOKENS = 8192

@@ -1,7 +1,7 @@
 """Side-by-side report of checkpoints: bytes vs quality vs speed, measured on kvslim's runtime.
 
 Per checkpoint: weight bytes (safetensors on disk), KV bytes per token (the shared formula at
-``seq_len``), KV capacity (``runtime.kv_report``: ``seq_len``-token sequences admitted into a
+``seq_len``), KV capacity (``runtime.cache.kv_report``: ``seq_len``-token sequences admitted into a
 ``budget`` cache until allocation fails), perplexity and task accuracy (``compress eval``'s pack
 through the ``kvslim`` backend, cached per checkpoint), recovery vs the first checkpoint, and
 aggregate decode tokens/s of the engine. Rendered as one Markdown table and one PNG.
@@ -34,7 +34,7 @@ class ReportSettings:
     decode_batch: int = 8
     decode_prompt_tokens: int = 64
     decode_new_tokens: int = 32
-    dtype: str = "auto"  # activations for perplexity and tasks (auto: runtime.layers.activation_dtype)
+    dtype: str = "auto"  # activations for perplexity and tasks (auto: runtime.model.layers.activation_dtype)
     # Decode speed is measured with each of these activation dtypes and the fastest is reported;
     # auto is each checkpoint's fastest setting on this CPU by construction.
     decode_dtypes: tuple[str, ...] = ("auto",)
@@ -76,8 +76,8 @@ def decode_tokens_per_s(ckpt: Path, s: ReportSettings, dtype: str) -> tuple[floa
     concurrent requests with ``decode_prompt_tokens``-token prompts from ``wikipedia:eval``;
     (time for prompt + ``decode_new_tokens``) minus (time for prompt + 1), per generated token
     after the first."""
-    from runtime.engine import Engine, EngineConfig
-    from runtime.sampling import SamplingParams
+    from runtime.engine.engine import Engine, EngineConfig
+    from runtime.engine.sampling import SamplingParams
 
     engine = Engine.from_checkpoint(ckpt, EngineConfig(dtype=dtype, max_num_seqs=s.decode_batch,
                                                        enable_prefix_caching=False))
@@ -110,7 +110,7 @@ def measure(name: str, ckpt: Path, s: ReportSettings, use_cache: bool = True) ->
     """Every figure of one checkpoint (the eval part is cached by ``compress eval``)."""
     from eval.cached_evaluation import evaluate_cached
     from eval.lm_eval_runner import EvalPlan
-    from runtime.kv_report import has_static_kv_scales, report_variant
+    from runtime.cache.kv_report import has_static_kv_scales, report_variant
 
     config = json.loads((ckpt / "config.json").read_text())
     kv_dtype = served_kv_dtype(config)
@@ -142,7 +142,7 @@ def recovery(row: CheckpointRow, base: CheckpointRow) -> float | None:
 def markdown_table(rows: list[CheckpointRow], s: ReportSettings) -> str:
     """The table (first row is the baseline of the recovery column) and the settings under it."""
     tasks = list(rows[0].accuracy)
-    head = (["checkpoint", "weights MiB", "KV dtype", "KV B/token", f"KV capacity (seqs)", "perplexity"]
+    head = (["checkpoint", "weights MiB", "KV dtype", "KV B/token", "KV capacity (seqs)", "perplexity"]
             + [f"{t} acc" for t in tasks] + ["mean acc", "recovery", "decode tok/s"])
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     base = rows[0]
@@ -159,7 +159,7 @@ def markdown_table(rows: list[CheckpointRow], s: ReportSettings) -> str:
         "",
         f"- KV B/token: the shared formula at {s.seq_len} tokens, in the KV dtype served (the checkpoint's "
         f"kv_cache_scheme, else bf16). KV capacity: {s.seq_len}-token sequences admitted into a "
-        f"{s.kv_budget_bytes / GIB:g} GiB paged cache until allocation fails (runtime/kv_report.py).",
+        f"{s.kv_budget_bytes / GIB:g} GiB paged cache until allocation fails (runtime/cache/kv_report.py).",
         f"- Perplexity: {rows[0].perplexity_detail or 'not measured'} (foundation/perplexity.py, kvslim runtime, "
         f"{s.dtype} activations: each row's dtype is named in brackets after its decode tok/s). "
         + (f"Accuracy: lm-eval 0-shot, {limit}, on kvslim's engine (`--backend kvslim`); "

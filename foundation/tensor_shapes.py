@@ -18,7 +18,12 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Container
 
-from foundation.architecture import ATTENTION_PROJECTIONS, KV_PROJECTIONS, MLP_PROJECTIONS, model_type_of
+from foundation.architecture import (
+    ATTENTION_PROJECTIONS,
+    KV_PROJECTIONS,
+    MLP_PROJECTIONS,
+    model_type_of,
+)
 from foundation.attention_layout import AttentionLayout
 from foundation.checkpoint import Checkpoint
 from foundation.errors import CheckpointError

@@ -4,10 +4,10 @@
     outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
     logits = llm.score(token_ids)               # fp32 [T, vocab], position t predicts token t + 1
 
-``generate`` and ``stream`` run on the serving engine (``runtime/engine.py``: paged cache,
+``generate`` and ``stream`` run on the serving engine (``runtime/engine/engine.py``: paged cache,
 continuous batching, chunked prefill of ``prefill_chunk`` tokens, at most ``max_num_seqs`` running),
 one engine per call sized for its requests; stop strings are matched by the ``Detokenizer`` as
-tokens come and abort the request. ``score`` runs a flattened batch over a ``ContiguousKVCache``.
+tokens come and abort the request. ``score`` runs through the engine's paged cache too.
 """
 from __future__ import annotations
 
@@ -19,13 +19,10 @@ import torch
 
 from foundation.errors import KvslimError
 from foundation.model_source import resolve_model
-from runtime.contiguous_cache import ContiguousKVCache
-from runtime.engine import MODEL_KV_DTYPES, Engine, EngineConfig
-from runtime.engine import StepOutput
-from runtime.kv_cache import KVCacheSpec
-from runtime.loader import live_weight_bytes, load_model
-from runtime.sampling import SamplingParams, TokenLogprob
-from runtime.server.detokenizer import Detokenizer
+from runtime.engine.detokenizer import Detokenizer
+from runtime.engine.engine import Engine, StepOutput
+from runtime.engine.sampling import SamplingParams, TokenLogprob
+from runtime.model.loader import live_weight_bytes, load_model
 
 PromptInput = str | Sequence[int]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -67,7 +64,7 @@ class LLM:
     """A checkpoint loaded for generation and scoring.
 
     ``checkpoint``: a directory, ``.gguf`` file or known model name (default: the default model).
-    ``dtype``: ``auto`` (default: by the CPU's features, ``runtime.layers.activation_dtype``) or
+    ``dtype``: ``auto`` (default: by the CPU's features, ``runtime.model.layers.activation_dtype``) or
     ``float32`` / ``bfloat16`` / ``float16`` activations (quantized weights stay packed).
     ``max_model_len``: longest sequence (prompt + output), at most the config's
     ``max_position_embeddings``.
@@ -149,42 +146,15 @@ class LLM:
     @torch.inference_mode()
     def score(self, token_ids: Sequence[int] | Sequence[Sequence[int]]) -> torch.Tensor | list[torch.Tensor]:
         """fp32 logits ``[T, vocab]`` for every position of a token sequence (row t predicts
-        token t + 1). A list of sequences runs as one flattened batch per chunk of sequences and
-        returns a list."""
+        token t + 1), through the engine's paged cache in chunks of ``prefill_chunk``. A list of
+        sequences returns a list."""
         single = isinstance(token_ids, str) or bool(token_ids) and all(isinstance(t, int) for t in token_ids)
         seqs = [self._tokenize(s, i)[1] for i, s in enumerate(self._as_list(token_ids))]
         for i, ids in enumerate(seqs):
             self._check_length(ids, i)
-        results: list[torch.Tensor] = []
-        budget = max(self.prefill_chunk, 1)
-        i = 0
-        while i < len(seqs):
-            group = [seqs[i]]
-            while i + len(group) < len(seqs) and sum(map(len, group)) + len(seqs[i + len(group)]) <= budget:
-                group.append(seqs[i + len(group)])
-            if len(group) == 1 and len(group[0]) > budget:
-                results.append(self._score_long(group[0]))
-            else:
-                cache = ContiguousKVCache(self.spec, self.dtype)
-                for j, ids in enumerate(group):
-                    cache.add_sequence(j, len(ids))
-                positions = cache.begin_step([(j, len(ids)) for j, ids in enumerate(group)])
-                flat = torch.tensor([t for ids in group for t in ids], dtype=torch.long)
-                logits = self.model.compute_logits(self.model(flat, positions, cache))
-                results.extend(logits.split([len(ids) for ids in group]))
-            i += len(group)
+        engine = Engine.sized_for(self.model, max(map(len, seqs)), 1, max_num_batched_tokens=self.prefill_chunk)
+        results = [engine.score(ids) for ids in seqs]
         return results[0] if single else results
-
-    def _score_long(self, ids: list[int]) -> torch.Tensor:
-        cache = ContiguousKVCache(self.spec, self.dtype)
-        cache.add_sequence(0, len(ids))
-        tokens = torch.tensor(ids, dtype=torch.long)
-        out = []
-        for start in range(0, len(ids), self.prefill_chunk):
-            chunk = tokens[start:start + self.prefill_chunk]
-            positions = cache.begin_step([(0, len(chunk))])
-            out.append(self.model.compute_logits(self.model(chunk, positions, cache)))
-        return torch.cat(out)
 
     # --- generation --------------------------------------------------------------------------
     def generate(
@@ -235,16 +205,9 @@ class LLM:
         """An engine over this model, its paged cache sized for these requests (every running
         sequence at its longest, plus one)."""
         longest = min(max(len(r.prompt_ids) + r.params.max_tokens for r in requests), self.max_model_len)
-        block = 16
-        kv_spec = KVCacheSpec.from_layout(self.spec.attention, MODEL_KV_DTYPES[self.dtype], block)
-        seq_bytes = sum(kv_spec.max_blocks_per_seq(g, longest) * kv_spec.block_bytes(g) for g in range(len(kv_spec.groups)))
-        seqs = min(len(requests), self.max_num_seqs) + 1
-        config = EngineConfig(
-            dtype=str(self.dtype).removeprefix("torch."), block_size=block, kv_cache_bytes=seq_bytes * seqs,
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.prefill_chunk, max_model_len=longest,
-            enable_prefix_caching=True,
-        )
-        return Engine(self.model, config)
+        return Engine.sized_for(self.model, longest, min(len(requests), self.max_num_seqs),
+                                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.prefill_chunk,
+                                enable_prefix_caching=True)
 
     def _run(self, requests: list[_Request]) -> Iterator[_Request]:
         """Run ``requests`` on a fresh engine; yield each request whenever it changes."""

@@ -54,8 +54,8 @@ def auto_dtype_without_native_bf16():
     """``dtype="auto"`` resolves by the CPU's features (bf16 where the CPU has native bf16). Tests
     compare against fp32 references and must not depend on the machine, so in-process code sees
     a CPU without native bf16 and ``auto`` means float32; the tests of the choice itself
-    (tests/runtime/layers/test_activation_dtype.py) pass their features explicitly."""
-    from runtime.layers.activation_dtype import CpuFeatures
+    (tests/runtime/model/layers/test_activation_dtype.py) pass their features explicitly."""
+    from runtime.model.layers.activation_dtype import CpuFeatures
 
     plain = CpuFeatures(avx2=True, avx512=False, vnni=False, avx512_bf16=False, amx=False)
     with pytest.MonkeyPatch.context() as mp:

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from foundation.errors import KvslimError
-from runtime.layers.dtype_choices import DTYPE_CHOICES, DTYPE_HELP
+from runtime.model.layers.dtype_choices import DTYPE_CHOICES, DTYPE_HELP
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from runtime.layers.dtype_choices import DTYPE_CHOICES, DTYPE_HELP
+from runtime.model.layers.dtype_choices import DTYPE_CHOICES, DTYPE_HELP
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -26,8 +26,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from foundation.errors import KvslimError
+    from runtime.engine.sampling import SamplingParams
     from runtime.llm import LLM
-    from runtime.sampling import SamplingParams
 
     if len(args.args) > 2:
         raise KvslimError(f"expected [CKPT] PROMPT, got {len(args.args)} arguments (quote the prompt)")

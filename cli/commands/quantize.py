@@ -194,7 +194,12 @@ def _calibrated(args: argparse.Namespace, scheme, source, smoothed=None):
 
 
 def _calibration_spec(args: argparse.Namespace):
-    from compress.calibration import DEFAULT_CALIB_TEXT, DEFAULT_NUM_SAMPLES, DEFAULT_SEQ_LEN, CalibrationSpec
+    from compress.calibration import (
+        DEFAULT_CALIB_TEXT,
+        DEFAULT_NUM_SAMPLES,
+        DEFAULT_SEQ_LEN,
+        CalibrationSpec,
+    )
 
     return CalibrationSpec(
         args.calib or DEFAULT_CALIB_TEXT,

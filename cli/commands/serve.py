@@ -18,7 +18,7 @@ from pathlib import Path
 
 from foundation.errors import KvslimError
 from foundation.model_source import DEFAULT_MODEL
-from runtime.layers.dtype_choices import DTYPE_CHOICES, DTYPE_HELP
+from runtime.model.layers.dtype_choices import DTYPE_CHOICES, DTYPE_HELP
 
 KV_DTYPES = {"auto": None, "fp8": "fp8_e4m3", "int8": "int8"}
 API_KEY_ENV = "KVSLIM_API_KEY"
@@ -121,8 +121,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, path: Path, source: st
 
     from foundation.attention_layout import AttentionLayout
     from foundation.model_source import resolve_model
-    from runtime.engine import Engine, EngineConfig
-    from runtime.kv_cache import KV_DTYPES as KV_TORCH_DTYPES
+    from runtime.cache.kv_cache import KV_DTYPES as KV_TORCH_DTYPES
+    from runtime.engine.engine import Engine, EngineConfig
     from runtime.server.app import create_app
     from runtime.server.engine_adapter import ThreadedEngine
     from runtime.server.metrics import KVFootprint

@@ -29,7 +29,12 @@ import torch
 from scipy.linalg import lapack
 
 from foundation.errors import KvslimError
-from foundation.primitives import dequantize, encode_linear, qparams_from_range, quantize
+from foundation.primitives import (
+    dequantize,
+    encode_linear,
+    qparams_from_range,
+    quantize,
+)
 from foundation.schemes import QuantScheme
 
 DEFAULT_DAMPENING = 0.01

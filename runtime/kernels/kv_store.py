@@ -8,7 +8,7 @@ a one-element fp32 tensor (a static per-layer scale from the checkpoint's ``k_sc
 New tokens ``k``, ``v`` ``[T, num_kv_heads, head_dim]`` go to ``slot_mapping`` int64 ``[T]``
 (``block * block_size + offset``); a negative slot means "skip" (padding).
 
-Quantization is ``runtime.kv_quant``'s (the CPU cache's), bit for bit: with ``QMAX`` = 448
+Quantization is ``runtime.cache.kv_quant``'s (the CPU cache's), bit for bit: with ``QMAX`` = 448
 (fp8) or 127 (int8), a per-token scale is ``max(amax over head_dim / QMAX, 1e-8)``; the stored
 value is ``x / scale`` clamped to ``[-QMAX, QMAX]`` and rounded to nearest even (int8) or cast
 with round-to-nearest-even (fp8). Dequantized value: ``stored * scale``.
@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from foundation.errors import KvslimError
-from runtime import kv_quant
-from runtime.kv_quant import QMAX
+from runtime.cache import kv_quant
+from runtime.cache.kv_quant import QMAX
 
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.int8)
 QUANTIZED_KV_DTYPES = (torch.float8_e4m3fn, torch.int8)

@@ -24,8 +24,12 @@ import triton
 import triton.language as tl
 
 from foundation.errors import KvslimError
-from runtime.attention_backend import reference_attention
-from runtime.kernels.kv_store import check_kv_cache, check_kv_scales, reference_dequantize_kv
+from runtime.attention.backend import reference_attention
+from runtime.kernels.kv_store import (
+    check_kv_cache,
+    check_kv_scales,
+    reference_dequantize_kv,
+)
 
 SPLIT_MIN_TOKENS = 256  # a decode split covers at least this many cached tokens
 

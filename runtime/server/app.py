@@ -22,9 +22,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from foundation.errors import KvslimError
-from runtime.sampling import SamplingParams, TokenLogprob
+from runtime.engine.detokenizer import Detokenizer
+from runtime.engine.sampling import SamplingParams, TokenLogprob
 from runtime.server.admission import Admission, Rejection
-from runtime.server.detokenizer import Detokenizer
 from runtime.server.engine_client import EngineClient
 from runtime.server.metrics import KVFootprint, RequestTimer, ServerMetrics
 from runtime.server.protocol import (

@@ -13,8 +13,8 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from runtime.engine import Engine, StepOutput
-from runtime.sampling import SamplingParams
+from runtime.engine.engine import Engine, StepOutput
+from runtime.engine.sampling import SamplingParams
 from runtime.server.engine_client import EngineSnapshot
 
 IDLE_WAIT_S = 0.05

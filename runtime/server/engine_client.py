@@ -8,10 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Protocol
 
-from runtime.sampling import SamplingParams
+from runtime.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from runtime.engine import StepOutput
+    from runtime.engine.engine import StepOutput
 
 
 @dataclass(frozen=True)

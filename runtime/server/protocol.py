@@ -14,9 +14,18 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
 
-from runtime.sampling import SamplingParams
+from runtime.engine.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LEN = 256

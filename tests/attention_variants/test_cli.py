@@ -5,7 +5,6 @@ import shutil
 import pytest
 
 from cli.main import main
-from tests.tiny_models import make_tiny_checkpoint
 
 
 def test_convert_writes_checkpoint_and_summary(tiny_llama, tmp_path, capsys):

@@ -3,7 +3,12 @@ import torch
 
 from attention_variants.convert import ConvertSpec
 from attention_variants.projections import proj_key
-from tests.attention_variants.helpers import config_of, convert_tiny, edit_checkpoint, logits
+from tests.attention_variants.helpers import (
+    config_of,
+    convert_tiny,
+    edit_checkpoint,
+    logits,
+)
 
 IDS = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(0))
 

@@ -5,7 +5,12 @@ from attention_variants.convert import ConvertSpec
 from attention_variants.kv_sharing import _best_groups, kv_groups
 from attention_variants.projections import proj_key
 from foundation.attention_layout import KV_SOURCE_KEY
-from tests.attention_variants.helpers import config_of, convert_tiny, edit_checkpoint, logits
+from tests.attention_variants.helpers import (
+    config_of,
+    convert_tiny,
+    edit_checkpoint,
+    logits,
+)
 
 IDS = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(0))
 
@@ -16,11 +21,11 @@ def _pairs_see_the_same_kv(weights):
     for supplier, reader in ((0, 1), (2, 3)):
         weights[proj_key(supplier, "o_proj")].zero_()
         weights[f"model.layers.{supplier}.mlp.down_proj.weight"].zero_()
-        norm = f"model.layers.{{}}.input_layernorm.weight"
+        norm = "model.layers.{}.input_layernorm.weight"
         weights[norm.format(reader)] = weights[norm.format(supplier)].clone()
         for proj in ("k_proj", "v_proj"):
             weights[proj_key(reader, proj)] = weights[proj_key(supplier, proj)].clone()
-        k_norm = f"model.layers.{{}}.self_attn.k_norm.weight"  # Qwen3
+        k_norm = "model.layers.{}.self_attn.k_norm.weight"  # Qwen3
         if k_norm.format(reader) in weights:
             weights[k_norm.format(reader)] = weights[k_norm.format(supplier)].clone()
 

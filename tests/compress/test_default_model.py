@@ -13,7 +13,11 @@ pytestmark = pytest.mark.slow
 
 
 def test_int4_default_on_default_model(default_model_dir, tmp_path, capsys):
-    from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        CompressedTensorsConfig,
+    )
 
     from foundation.perplexity import hf_logits_fn, perplexity, tokenize_range
 

@@ -25,7 +25,14 @@ from compress.sequential_quantizer import SequentialQuantizer
 from foundation.checkpoint import Checkpoint
 from foundation.errors import KvslimError
 from foundation.primitives import dequantize_linear, quantize_dequantize
-from foundation.schemes import FP8_DYNAMIC, W4A16, W4A16_ASYM, W8A8, W8A16, default_scheme
+from foundation.schemes import (
+    FP8_DYNAMIC,
+    W4A16,
+    W4A16_ASYM,
+    W8A8,
+    W8A16,
+    default_scheme,
+)
 from tests.compress.calib_tokens import zipf_ids
 
 SCHEMES = [W4A16, W4A16_ASYM, W8A16, FP8_DYNAMIC, W8A16.with_options(group_size=32, symmetric=False)]

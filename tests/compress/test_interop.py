@@ -19,7 +19,15 @@ from compress.quantize import quantize_checkpoint
 from compress.transformers_compat import default_route_fails
 from foundation.checkpoint import Checkpoint
 from foundation.primitives import dequantize_linear
-from foundation.schemes import FP8_DYNAMIC, FP8_W8A16, W4A16, W4A16_ASYM, W8A8, W8A16, default_scheme
+from foundation.schemes import (
+    FP8_DYNAMIC,
+    FP8_W8A16,
+    W4A16,
+    W4A16_ASYM,
+    W8A8,
+    W8A16,
+    default_scheme,
+)
 
 SCHEMES = {
     "fp8": FP8_DYNAMIC,

@@ -10,7 +10,12 @@ import transformers
 from compressed_tensors import __version__ as ct_version
 
 from compress.decoder_stack import LazyDecoderStack
-from compress.kv_scales import FP8_E4M3_MAX, KV_CACHE_SCHEME, KVScaleObserver, kv_scale_tensors
+from compress.kv_scales import (
+    FP8_E4M3_MAX,
+    KV_CACHE_SCHEME,
+    KVScaleObserver,
+    kv_scale_tensors,
+)
 from compress.layer_stream import LayerStream
 from compress.quantize import quantize_checkpoint
 from compress.sequential_quantizer import SequentialQuantizer
@@ -53,7 +58,9 @@ def test_scale_tensors_have_compressed_tensors_shape():
 def test_kv_scales_load_into_compressed_tensors_attention(tiny_llama, tmp_path):
     """FP8 weights + FP8 KV: transformers (compressed, not decompressed) registers k_scale/v_scale
     on every attention module (compressed-tensors' initialize_attn_qparams) and loads ours."""
-    from compressed_tensors.quantization.lifecycle.initialize import is_cached_attention_module  # private
+    from compressed_tensors.quantization.lifecycle.initialize import (
+        is_cached_attention_module,  # private
+    )
     from transformers import AutoModelForCausalLM
 
     stream = LayerStream(LazyDecoderStack(Checkpoint.open(tiny_llama)), zipf_ids(2, 32, seed=8))

@@ -9,7 +9,11 @@ import torch
 from safetensors.torch import save_file
 
 from compress.algorithms.gptq import GPTQOptions
-from compress.decoder_stack import LazyDecoderStack, ResidentDecoderStack, layer_of_module
+from compress.decoder_stack import (
+    LazyDecoderStack,
+    ResidentDecoderStack,
+    layer_of_module,
+)
 from compress.kv_scales import KV_CACHE_SCHEME, KVScaleObserver
 from compress.layer_stream import LayerStream
 from compress.quantize import DEFAULT_IGNORE, plan_linears, quantize_checkpoint

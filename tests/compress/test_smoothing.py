@@ -12,7 +12,12 @@ from safetensors.torch import save_file
 
 from cli.main import main
 from compress.quantize import quantize_checkpoint
-from compress.smoothing import input_maxima, smooth_checkpoint, smoothed, smoothing_sites
+from compress.smoothing import (
+    input_maxima,
+    smooth_checkpoint,
+    smoothed,
+    smoothing_sites,
+)
 from compress.smoothing_spec import SmoothingSpec
 from foundation.checkpoint import Checkpoint
 from foundation.errors import KvslimError
@@ -84,7 +89,7 @@ def test_kv_sharing_skips_v_to_o(tiny_checkpoints):
 def test_runtime_matches_transformers_on_a_smoothed_checkpoint(tiny_checkpoints, tmp_path, kind):
     """A smoothed checkpoint is an ordinary compressed-tensors one: the runtime's logits equal
     transformers + compressed-tensors' (activations quantized per token by both)."""
-    from runtime.loader import load_model
+    from runtime.model.loader import load_model
     from tests.runtime.test_linear import _w8a8_logits_close
 
     smooth, _ = smooth_checkpoint(Checkpoint.open(tiny_checkpoints["llama"]), CALIB, SmoothingSpec(0.8))

@@ -1,5 +1,12 @@
 """Results JSON: written, parsed back, keyed by checkpoint content + settings."""
-from eval.results_cache import EvalResults, TaskScore, cache_key, checkpoint_sha256, load_cached, save
+from eval.results_cache import (
+    EvalResults,
+    TaskScore,
+    cache_key,
+    checkpoint_sha256,
+    load_cached,
+    save,
+)
 
 
 def _results(value: float = 0.5) -> EvalResults:

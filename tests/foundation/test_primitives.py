@@ -87,7 +87,10 @@ def test_dequantize_linear_matches_compressed_tensors_decompress(scheme):
     seed=st.integers(0, 2**16),
 )
 def test_pack_unpack_round_trip_and_matches_library(bits, rows, cols, dim, seed):
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+    from compressed_tensors.compressors.pack_quantized.helpers import (
+        pack_to_int32,
+        unpack_from_int32,
+    )
 
     g = torch.Generator().manual_seed(seed)
     lo, hi = -(1 << (bits - 1)), (1 << (bits - 1))

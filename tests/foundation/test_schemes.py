@@ -18,7 +18,10 @@ from foundation.schemes import (
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_config_group_is_compressed_tensors_model_dump(name):
-    from compressed_tensors.quantization import QuantizationScheme, preset_name_to_scheme
+    from compressed_tensors.quantization import (
+        QuantizationScheme,
+        preset_name_to_scheme,
+    )
 
     scheme = PRESETS[name]
     ours = scheme.to_config_group()
@@ -39,7 +42,10 @@ def test_config_group_is_compressed_tensors_model_dump(name):
 
 def test_fp8_weight_only_is_a_valid_compressed_tensors_group():
     """Not a preset: FP8_DYNAMIC's weights with no input_activations (vLLM's W8A16Fp8)."""
-    from compressed_tensors.quantization import QuantizationScheme, preset_name_to_scheme
+    from compressed_tensors.quantization import (
+        QuantizationScheme,
+        preset_name_to_scheme,
+    )
 
     ours = FP8_W8A16.to_config_group()
     assert ours == QuantizationScheme.model_validate(ours).model_dump()

@@ -10,7 +10,15 @@ from compress.quantize import quantize_checkpoint
 from foundation.checkpoint import Checkpoint
 from foundation.errors import CheckpointError
 from foundation.quant_spec import QuantSpec
-from foundation.schemes import FP8_DYNAMIC, FP8_W8A16, W4A16, W4A16_ASYM, W8A8, W8A16, default_scheme
+from foundation.schemes import (
+    FP8_DYNAMIC,
+    FP8_W8A16,
+    W4A16,
+    W4A16_ASYM,
+    W8A8,
+    W8A16,
+    default_scheme,
+)
 from foundation.tensor_shapes import (
     LinearShape,
     ModelShapes,

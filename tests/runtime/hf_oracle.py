@@ -8,9 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from attention_variants.modeling_files import CAUSAL_LM_CLASSES, MODELING_DIR, MODELING_FILE
-from runtime.contiguous_cache import ContiguousKVCache
-from runtime.models.decoder import Decoder
+from attention_variants.modeling_files import (
+    CAUSAL_LM_CLASSES,
+    MODELING_DIR,
+    MODELING_FILE,
+)
+from runtime.engine.engine import Engine
+from runtime.model.decoder import Decoder
 
 
 def _kvslim_modeling():
@@ -40,17 +44,12 @@ def hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def runtime_logits(model: Decoder, ids: torch.Tensor, splits: tuple[int, ...] = ()) -> torch.Tensor:
-    """Our logits for every position of ``ids``, fed in pieces: a prefill up to ``splits[0]``,
-    then chunks up to each further split, then one token at a time."""
-    cache = ContiguousKVCache(model.spec, model.dtype)
-    cache.add_sequence(0, len(ids))
+    """Our logits for every position of ``ids`` through the engine's paged cache, fed in pieces:
+    a prefill up to ``splits[0]``, then chunks up to each further split, then one token at a time."""
     bounds = [0, *splits] if splits else [0, len(ids)]
-    pieces = [(a, b) for a, b in zip(bounds, bounds[1:])] + [(t, t + 1) for t in range(bounds[-1], len(ids))]
-    out = []
-    for a, b in pieces:
-        positions = cache.begin_step([(0, b - a)])
-        out.append(model.compute_logits(model(ids[a:b], positions, cache)))
-    return torch.cat(out)
+    pieces = [b - a for a, b in zip(bounds, bounds[1:])] + [1] * (len(ids) - bounds[-1])
+    engine = Engine.sized_for(model, len(ids), 1, max_num_batched_tokens=max(pieces))
+    return engine.score(ids.tolist(), pieces)
 
 
 @pytest.fixture(autouse=False)

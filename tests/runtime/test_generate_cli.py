@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from cli.main import main
+from runtime.engine.sampling import SamplingParams
 from runtime.llm import LLM
-from runtime.sampling import SamplingParams
 from tests.runtime.hf_oracle import single_thread  # noqa: F401
 from tests.tiny_models import make_tiny_checkpoint
 

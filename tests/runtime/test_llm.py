@@ -8,9 +8,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from foundation.errors import CheckpointError, KvslimError, UnsupportedArchitecture
+from runtime.engine.sampling import SamplingParams
 from runtime.llm import LLM
-from runtime.sampling import SamplingParams
-from tests.runtime.hf_oracle import assert_greedy_matches_hf, hf_logits, hf_model, single_thread  # noqa: F401
+from tests.runtime.hf_oracle import (  # noqa: F401
+    assert_greedy_matches_hf,
+    hf_logits,
+    hf_model,
+    single_thread,
+)
 from tests.tiny_models import make_tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("single_thread")

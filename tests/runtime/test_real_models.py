@@ -14,9 +14,9 @@ from foundation.checkpoint import Checkpoint
 from foundation.model_source import resolve_model
 from foundation.schemes import default_scheme
 from foundation.texts import load_text
+from runtime.engine.sampling import SamplingParams
 from runtime.llm import LLM
-from runtime.loader import live_weight_bytes, load_model
-from runtime.sampling import SamplingParams
+from runtime.model.loader import live_weight_bytes, load_model
 from tests.runtime.hf_oracle import (  # noqa: F401
     assert_greedy_matches_hf,
     hf_logits,

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from foundation.perplexity import perplexity, tokenize_range
-from runtime.engine import Engine, EngineConfig
+from runtime.engine.engine import Engine, EngineConfig
+from runtime.engine.sampling import SamplingParams
 from runtime.llm import LLM
-from runtime.sampling import SamplingParams
 from tests.runtime.engine.test_engine_tiny import assert_same
 
 pytestmark = pytest.mark.slow

@@ -1,13 +1,15 @@
-"""The engine against the runtime core (``LLM`` over a contiguous cache), on tiny random models:
-the same tokens up to the first near-tie and logprobs within tolerance, alone and in batches,
-with chunked prefill, prefix hits, preemption, sliding windows and shared KV."""
+"""The engine under stress (small blocks, short chunks, prefix hits, preemption, sliding windows,
+shared KV, batches) against the engine run plainly through ``LLM`` (one large chunk, 16-token
+blocks, one request at a time), on tiny random models: the same tokens up to the first near-tie
+and logprobs within tolerance. The plain run itself is checked against transformers' logits in
+``tests/runtime/model/test_decoder_hf.py``."""
 import pytest
 import torch
 
-from runtime.engine import Engine, EngineConfig
+from runtime.engine.engine import Engine, EngineConfig
+from runtime.engine.sampling import SamplingParams
 from runtime.llm import LLM
-from runtime.loader import load_model
-from runtime.sampling import SamplingParams
+from runtime.model.loader import load_model
 from tests.tiny_models import make_tiny_checkpoint
 
 LP_TOL = 1e-4  # fp32 both sides; only the summation order differs
@@ -83,7 +85,7 @@ W8A8_TIE = 0.15
 def test_w8a8_model_matches_core(tiny_llama, tmp_path):
     from compress.quantize import quantize_checkpoint
     from foundation.schemes import W8A8
-    from runtime.layers.linear import W8A8Linear
+    from runtime.model.layers.linear import W8A8Linear
 
     path = quantize_checkpoint(tiny_llama, tmp_path / "w8a8", W8A8, progress=False).out
     core = LLM(path, max_model_len=128)

@@ -6,9 +6,9 @@ from collections import Counter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.block_manager import RELEASED, BlockManager
-from runtime.scheduler import Scheduler, SchedulerConfig
-from runtime.sequence import Sequence, SequenceStatus
+from runtime.engine.block_manager import RELEASED, BlockManager
+from runtime.engine.scheduler import Scheduler, SchedulerConfig
+from runtime.engine.sequence import Sequence, SequenceStatus
 
 MAX_MODEL_LEN = 48
 STOP = 1

@@ -1,11 +1,14 @@
 import pytest
 import torch
-from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+from compressed_tensors.compressors.pack_quantized.helpers import (
+    pack_to_int32,
+    unpack_from_int32,
+)
 
 from foundation import primitives, schemes
 from foundation.errors import KvslimError
 from runtime.kernels import dequant_matmul as dm
-from tests.runtime.kernels.conftest import requires_gpu
+from tests.runtime.conftest import requires_gpu
 
 
 def make_int_weight(N, K, bits, group, symmetric, act_order, seed=0, scale_dtype=torch.float32):

@@ -61,7 +61,7 @@ def test_attention_and_store_cpu_paths():
 @pytest.mark.parametrize("scheme", [schemes.W4A16, schemes.W4A16_ASYM, schemes.W8A16, schemes.FP8_DYNAMIC])
 def test_quantized_linear_agrees_with_the_runtime_layers(scheme):
     """Same numbers as the runtime core's dequantize-per-forward Linear (its numerical reference)."""
-    from runtime.layers.linear import make_linear
+    from runtime.model.layers.linear import make_linear
 
     w = torch.randn(32, 128)
     scale, zp = primitives.compute_qparams(w, scheme)

@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from foundation.errors import KvslimError
-from runtime import kv_quant
+from runtime.cache import kv_quant
 from runtime.kernels import kv_store as kvs
-from tests.runtime.kernels.conftest import requires_gpu
+from tests.runtime.conftest import requires_gpu
 
 
 def caches(kv_dtype, scales, num_blocks=6, block_size=4, kvh=3, d=32, device="cpu"):

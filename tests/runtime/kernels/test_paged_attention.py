@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from foundation.errors import KvslimError
-from runtime.attention_backend import reference_attention
+from runtime.attention.backend import reference_attention
 from runtime.kernels import paged_attention as pa
-from tests.runtime.kernels.conftest import requires_gpu
+from tests.runtime.conftest import requires_gpu
 from tests.runtime.kernels.paged_setup import make_paged_batch
 
 # decode (q_len 1), prefill (q_len = ctx) and extend over a cached prefix, in one batch

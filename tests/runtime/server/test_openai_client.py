@@ -161,8 +161,8 @@ def test_greedy_text_equals_the_engine_run_offline(client, tiny_chat_checkpoint)
     """The HTTP layer adds nothing: same tokens as ``Engine.generate`` in this process."""
     from transformers import AutoTokenizer
 
-    from runtime.engine import Engine, EngineConfig
-    from runtime.sampling import SamplingParams
+    from runtime.engine.engine import Engine, EngineConfig
+    from runtime.engine.sampling import SamplingParams
 
     tok = AutoTokenizer.from_pretrained(tiny_chat_checkpoint)
     prompt = tok("In 1905, Einstein published", add_special_tokens=False)["input_ids"]

@@ -62,7 +62,7 @@ def test_max_model_len_past_the_models_context_is_one_line_exit_2(tiny_chat_chec
 
 def test_kv_allocation_failure_is_a_kvslim_error(monkeypatch):
     """Where free memory is unknown (or misjudged), the allocator's own failure becomes one line."""
-    import runtime.kv_cache as kv_cache
+    import runtime.cache.kv_cache as kv_cache
     from foundation.attention_layout import AttentionLayout
 
     def refuse(*args, **kwargs):

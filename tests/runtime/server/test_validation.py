@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from runtime.engine import StepOutput
-from runtime.sampling import SamplingParams
+from runtime.engine.engine import StepOutput
+from runtime.engine.sampling import SamplingParams
 from runtime.server.app import create_app
 from runtime.server.engine_client import EngineSnapshot
 from runtime.server.metrics import KVFootprint

@@ -1,0 +1,75 @@
+"""The contract between the decoder (model side) and the KV cache (engine side).
+
+The decoder runs on a *flattened* batch, as vLLM and nano-vllm do: the new tokens of every
+sequence in the step are concatenated into one dimension ``T`` (no padding). It computes q/k/v
+and rotary, then hands attention to a backend, which owns the cache and the step's metadata
+(which tokens belong to which sequence, their positions, block tables):
+
+    out = backend.attend(layer_idx, q, k, v)
+
+- ``q``: ``[T, num_heads, head_dim]``; ``k``, ``v``: ``[T, num_kv_heads, head_dim]`` after
+  rotary and norms, or ``None`` for a layer that reads another layer's KV
+  (``AttentionLayout.layers[i].kv_source != i``); the backend then reads the owner's cache.
+- The backend writes the new k/v into its cache (quantizing on write when the cache is FP8/INT8),
+  then computes causal attention of each new token over its sequence's cached context, honouring
+  the layer's sliding window, GQA head mapping, the softmax scale and optional logit softcap.
+- Returns ``[T, num_heads, head_dim]`` in q's dtype.
+
+Implementations (``runtime.attention.registry``): the torch paged backend (SDPA over the blocks)
+and the kernel backend (Triton on CUDA). Both are tested against ``reference_attention`` below,
+the one plain-torch definition of the attention the decoder asks for.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionParams:
+    """Per-layer constants the backend needs (from ``ModelSpec``)."""
+
+    scale: float
+    window: int | None  # None = full attention; else attend to itself and window-1 earlier tokens
+    kv_source: int  # layer whose cache holds this layer's K/V
+    softcap: float | None = None
+
+
+class AttentionBackend(Protocol):
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
+    ) -> torch.Tensor: ...
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Plain-torch causal attention for one sequence, in fp32.
+
+    q ``[Tq, H, D]``; k, v ``[Tk, KVH, D]``; positions are absolute token indices. Query i attends
+    key j when ``k_pos[j] <= q_pos[i]`` and, with a window W, ``q_pos[i] - k_pos[j] < W``.
+    """
+    h, kvh = q.shape[1], k.shape[1]
+    rep = h // kvh
+    qf = q.float().transpose(0, 1)  # [H, Tq, D]
+    kf = k.float().repeat_interleave(rep, dim=1).transpose(0, 1)
+    vf = v.float().repeat_interleave(rep, dim=1).transpose(0, 1)
+    scores = (qf @ kf.transpose(1, 2)) * scale  # [H, Tq, Tk]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    dist = q_positions.view(-1, 1) - k_positions.view(1, -1)
+    allowed = dist >= 0
+    if window is not None:
+        allowed &= dist < window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ vf  # [H, Tq, D]
+    return out.transpose(0, 1).to(q.dtype)

@@ -1,0 +1,230 @@
+"""``AttentionBackend`` over the paged KV cache, in plain torch (the CPU path).
+
+The engine builds a ``PagedBatch`` per step (from the scheduler's output and the block tables)
+and hands it to the backend with ``set_batch``; the decoder then calls ``attend`` per layer.
+Sequences decoding one token are attended together (their blocks gathered into one padded
+batch); sequences with several new tokens (prefill chunks) one at a time, over their cached
+prefix plus the chunk. Quantized caches are dequantized on read to q's dtype; SDPA does the
+math (fp32 accumulation); logit softcap takes a plain fp32 path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from runtime.attention.backend import AttentionParams
+from runtime.cache.kv_cache import RELEASED, KVCache
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    """One step's attention metadata (the layout shared with ``runtime/kernels``).
+
+    ``block_tables[g]`` int32 ``[num_seqs, max_blocks]`` (released / unused entries are 0 and
+    never read), ``context_lens`` int32 ``[num_seqs]`` (tokens in the cache after this step),
+    ``slot_mapping[g]`` int64 ``[T]`` (block * block_size + offset of each new token),
+    ``query_start_loc`` int32 ``[num_seqs + 1]``, ``positions`` int64 ``[T]``.
+    """
+
+    block_size: int
+    query_lens: tuple[int, ...]
+    first_positions: tuple[int, ...]
+    positions: torch.Tensor
+    query_start_loc: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: tuple[torch.Tensor, ...]
+    slot_mapping: tuple[torch.Tensor, ...]
+    decode_seqs: torch.Tensor  # indices of sequences with exactly one new token
+    decode_rows: torch.Tensor  # their rows in the flattened batch
+
+    @classmethod
+    def build(
+        cls,
+        block_size: int,
+        first_positions: Sequence[int],
+        query_lens: Sequence[int],
+        tables: Sequence[Sequence[Sequence[int]]],  # per sequence, per group: block table
+        device: torch.device | str = "cpu",
+    ) -> "PagedBatch":
+        num_groups = len(tables[0]) if tables else 0
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(first_positions, query_lens)])
+        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
+        block_tables, slot_mapping = [], []
+        for g in range(num_groups):
+            width = max(len(t[g]) for t in tables)
+            bt = torch.zeros(len(tables), width, dtype=torch.int32)
+            for i, t in enumerate(tables):
+                row = torch.tensor(t[g], dtype=torch.int32)
+                bt[i, : len(row)] = row.clamp_min(0) if RELEASED in t[g] else row
+            slots = bt[seq_of_token, positions // block_size].long() * block_size + positions % block_size
+            block_tables.append(bt.to(device))
+            slot_mapping.append(slots.to(device))
+        decode = [i for i, n in enumerate(query_lens) if n == 1]
+        return cls(
+            block_size=block_size,
+            query_lens=tuple(query_lens),
+            first_positions=tuple(first_positions),
+            positions=positions.to(device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            context_lens=torch.tensor([p + n for p, n in zip(first_positions, query_lens)], dtype=torch.int32, device=device),
+            block_tables=tuple(block_tables),
+            slot_mapping=tuple(slot_mapping),
+            decode_seqs=torch.tensor(decode, dtype=torch.long, device=device),
+            decode_rows=torch.tensor([starts[i] for i in decode], dtype=torch.long, device=device),
+        )
+
+
+def _attend(
+    q: torch.Tensor,  # [S, Tq, H, D]
+    k: torch.Tensor,  # [S, Tk, KVH, D] (dequantized to q's dtype)
+    v: torch.Tensor,
+    allowed: torch.Tensor,  # [S, Tq, Tk] bool; every query row allows at least its own key
+    params: AttentionParams,
+) -> torch.Tensor:
+    s, tq, h, d = q.shape
+    kvh = k.shape[2]
+    if params.softcap is None:
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed.unsqueeze(1),
+            scale=params.scale, enable_gqa=h != kvh,
+        )  # [S, H, Tq, D]
+        return out.transpose(1, 2)
+    dtype = q.dtype
+    q, k, v = q.float(), k.float(), v.float()  # the softcap path in fp32, as reference_attention
+    qh = q.view(s, tq, kvh, h // kvh, d).permute(0, 2, 3, 1, 4)  # [S, KVH, rep, Tq, D]
+    kt = k.permute(0, 2, 3, 1).unsqueeze(2)  # [S, KVH, 1, D, Tk]
+    scores = torch.matmul(qh, kt) * params.scale  # [S, KVH, rep, Tq, Tk]
+    scores = torch.tanh(scores / params.softcap) * params.softcap
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v.permute(0, 2, 1, 3).unsqueeze(2))  # [S, KVH, rep, Tq, D]
+    return out.permute(0, 3, 1, 2, 4).reshape(s, tq, h, d).to(dtype)
+
+
+@dataclass(frozen=True)
+class _ReadPlan:
+    """Which cached blocks a step reads for one (group, window), and the attention mask.
+    The same for every layer of the group, so computed once per step."""
+
+    decode_blocks: torch.Tensor | None  # [S_decode, nb] physical block ids
+    # One of these two masks, by the decode path that reads it: a boolean [S_decode, 1, Tk] for the
+    # softcap path, an additive [S_decode, 1, 1, Tk] (0 / -inf, q's dtype) for SDPA.
+    decode_allowed: torch.Tensor | None
+    decode_bias: torch.Tensor | None
+    chunks: tuple[tuple[int, slice, torch.Tensor, torch.Tensor], ...]  # (seq, rows, blocks [1, nb], allowed [1, n, Tk])
+
+
+def _plan(batch: PagedBatch, table: torch.Tensor, window: int | None, dtype: torch.dtype, softcap: bool) -> _ReadPlan:
+    bs = batch.block_size
+    decode_blocks = decode_allowed = decode_bias = None
+    if batch.decode_seqs.numel():
+        idx = batch.decode_seqs
+        ctx = batch.context_lens[idx].long()  # [S]
+        if window is None:
+            cols = torch.arange(-(-int(ctx.max()) // bs)).expand(len(idx), -1)
+        else:
+            n = -(-(window + bs - 1) // bs)
+            cols = (ctx - window).clamp_min(0).div(bs, rounding_mode="floor")[:, None] + torch.arange(n)
+        # Columns past a table's end read block 0; their key positions are >= ctx, so masked.
+        decode_blocks = table[idx[:, None], cols.clamp_max(table.shape[1] - 1)]
+        key_pos = (cols[:, :, None] * bs + torch.arange(bs)).flatten(1)  # [S, Tk]
+        allowed = key_pos < ctx[:, None]
+        if window is not None:
+            allowed &= key_pos >= (ctx - window)[:, None]
+        if softcap:
+            decode_allowed = allowed.unsqueeze(1)
+        else:
+            decode_bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))[:, None, None]
+    chunks = []
+    starts = batch.query_start_loc.tolist()
+    for i, n in enumerate(batch.query_lens):
+        if n == 1:
+            continue
+        first = batch.first_positions[i]
+        ctx = first + n
+        lo = 0 if window is None else max(0, first - window + 1) // bs
+        cols = torch.arange(lo, -(-ctx // bs))
+        key_pos = (cols[:, None] * bs + torch.arange(bs)).flatten()
+        dist = torch.arange(first, ctx)[:, None] - key_pos[None, :]
+        allowed = dist >= 0
+        if window is not None:
+            allowed &= dist < window
+        chunks.append((i, slice(starts[i], starts[i] + n), table[i, cols].unsqueeze(0), allowed.unsqueeze(0)))
+    return _ReadPlan(decode_blocks, decode_allowed, decode_bias, tuple(chunks))
+
+
+def _attend_decode(
+    q: torch.Tensor,  # [S, H, D]: one new token per sequence
+    k: torch.Tensor,  # [S, Tk, KVH, D]
+    v: torch.Tensor,
+    plan: _ReadPlan,
+    params: AttentionParams,
+) -> torch.Tensor:
+    """Decode attention with the query heads of each KV head laid out as that head's query rows
+    (``[S, KVH, H / KVH, D]``): one query token, so every row shares the mask, and SDPA attends
+    each KV head once instead of expanding K/V to every query head (2x faster measured)."""
+    if params.softcap is not None:
+        return _attend(q.unsqueeze(1), k, v, plan.decode_allowed, params).squeeze(1)
+    s, h, d = q.shape
+    kvh = k.shape[2]
+    out = F.scaled_dot_product_attention(
+        q.view(s, kvh, h // kvh, d), k.transpose(1, 2), v.transpose(1, 2), attn_mask=plan.decode_bias,
+        scale=params.scale,
+    )  # [S, KVH, H / KVH, D]
+    return out.reshape(s, h, d)
+
+
+class PagedAttentionBackend:
+    """Writes new K/V into the paged cache and attends over it (torch reference path)."""
+
+    def __init__(self, cache: KVCache, params: Sequence[AttentionParams]):
+        self.cache = cache
+        self.params = tuple(params)
+        self.batch: PagedBatch | None = None
+        self._plans: dict[tuple[int, int | None, torch.dtype, bool], _ReadPlan] = {}
+
+    def set_batch(self, batch: PagedBatch) -> None:
+        self.batch = batch
+        self._plans = {}
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
+        batch = self.batch
+        assert batch is not None, "set_batch() before attend()"
+        g, _ = self.cache.spec.layer_slots[layer_idx]
+        params = self.params[layer_idx]
+        if k is not None:
+            self.cache.write(layer_idx, k, v, batch.slot_mapping[g])
+        softcap = params.softcap is not None
+        key = (g, params.window, q.dtype, softcap)
+        if key not in self._plans:
+            self._plans[key] = _plan(batch, batch.block_tables[g], params.window, q.dtype, softcap)
+        plan = self._plans[key]
+        if plan.decode_blocks is not None and not plan.chunks:  # a pure decode step
+            kk, vv = self.cache.gather(layer_idx, plan.decode_blocks, q.dtype)
+            return _attend_decode(q, kk, vv, plan, params)
+        out = torch.empty_like(q)
+        if plan.decode_blocks is not None:
+            rows = batch.decode_rows
+            kk, vv = self.cache.gather(layer_idx, plan.decode_blocks, q.dtype)
+            out[rows] = _attend_decode(q[rows], kk, vv, plan, params)
+        lc = self.cache.layers[layer_idx]
+        fresh_ok = k is not None and lc.k_scale is None and lc.k_cache.dtype == q.dtype
+        for i, rows, blocks, allowed in plan.chunks:
+            n = rows.stop - rows.start
+            if fresh_ok and batch.first_positions[i] == 0 and (params.window or n) >= n and params.softcap is None:
+                # A whole prompt in one chunk: its keys are exactly this step's k/v (stored as-is).
+                # 4-D inputs: CPU SDPA takes its flash kernel only for those (3-D runs the math path).
+                out[rows] = F.scaled_dot_product_attention(
+                    q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None],
+                    is_causal=True, scale=params.scale, enable_gqa=q.shape[1] != k.shape[1],
+                )[0].transpose(0, 1)
+                continue
+            kk, vv = self.cache.gather(layer_idx, blocks, q.dtype)
+            out[rows] = _attend(q[rows].unsqueeze(0), kk, vv, allowed, params).squeeze(0)
+        return out

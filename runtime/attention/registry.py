@@ -1,0 +1,34 @@
+"""Attention backends by name, each imported only when chosen (the Triton one needs ``triton``).
+
+    backend = make_attention_backend("torch", cache, params)
+
+- ``torch``: ``runtime.attention.paged.PagedAttentionBackend``, SDPA over the paged blocks (the
+  CPU path);
+- ``triton``: ``runtime.attention.triton_backend.KernelAttentionBackend``, one store and one paged
+  attention kernel per layer (Triton on CUDA, the kernels' torch references elsewhere).
+
+A new backend (a GPU library, a quantized-KV layout) registers here; the engine only names it.
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+
+from foundation.errors import KvslimError
+from runtime.attention.backend import AttentionParams
+from runtime.cache.kv_cache import KVCache
+
+# name -> (module, class); the class takes (cache, per-layer params) and has set_batch / attend.
+ATTENTION_BACKENDS: dict[str, tuple[str, str]] = {
+    "torch": ("runtime.attention.paged", "PagedAttentionBackend"),
+    "triton": ("runtime.attention.triton_backend", "KernelAttentionBackend"),
+}
+DEFAULT_ATTENTION_BACKEND = "torch"
+
+
+def make_attention_backend(name: str, cache: KVCache, params: Sequence[AttentionParams]):
+    """The backend registered as ``name`` over ``cache``; one line naming the choices otherwise."""
+    if name not in ATTENTION_BACKENDS:
+        raise KvslimError(f"attention backend {name!r} is not known (known: {', '.join(ATTENTION_BACKENDS)})")
+    module, cls = ATTENTION_BACKENDS[name]
+    return getattr(importlib.import_module(module), cls)(cache, params)

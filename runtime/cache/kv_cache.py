@@ -1,0 +1,247 @@
+"""Paged KV cache: cache groups from an ``AttentionLayout``, tensors allocated per group.
+
+A *cache group* gathers the cache-owning layers that share (kind, window, kv heads, head dim,
+KV dtype); its layers share one block table per sequence (the block manager keeps one pool per
+group), and each layer has its own slot of tensors. Layers that read another layer's KV
+(``kv_source != index``) map to the owner's (group, slot) and allocate nothing.
+
+Layout per layer slot (shared with ``runtime/kernels``):
+- ``k_cache``, ``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the KV dtype
+  (``float8_e4m3fn`` / ``int8`` for quantized KV);
+- quantized KV adds ``k_scale``, ``v_scale``: ``[num_blocks, block_size, num_kv_heads]`` fp32
+  (dynamic, per token and head), or 0-dim fp32 per-layer scalars from the checkpoint.
+A token at logical position ``p`` of a sequence lives in slot
+``block_table[p // block_size] * block_size + p % block_size``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from foundation.attention_layout import AttentionLayout
+from foundation.errors import KvslimError
+from runtime.cache.kv_quant import (
+    QUANT_DTYPES,
+    dequantize,
+    quantize_per_token_head,
+    quantize_static,
+)
+
+KV_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    **QUANT_DTYPES,
+}
+SCALE_BYTES = 4  # fp32 per token and head
+MIB = 1 << 20
+RELEASED = -1  # block-table entry of a window block given back as the window slid past it
+
+
+def available_memory_bytes() -> int | None:
+    """Memory the OS can hand out without swapping (``MemAvailable``); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """Cache-owning layers with identical cache shape; ``layers[slot]`` is the layer in that slot."""
+
+    kind: Literal["full", "sliding"]
+    window: int | None
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: str
+    layers: tuple[int, ...]
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_dtype in QUANT_DTYPES
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Cache groups, the layer -> (group, slot) map, block size and scale mode."""
+
+    groups: tuple[CacheGroup, ...]
+    layer_slots: tuple[tuple[int, int], ...]  # per layer: (group index, slot in group)
+    block_size: int
+    static_scales: bool  # quantized KV with per-layer checkpoint scales (no per-token scales)
+
+    @classmethod
+    def from_layout(
+        cls, layout: AttentionLayout, kv_dtype: str, block_size: int = 16, static_scales: bool = False
+    ) -> "KVCacheSpec":
+        if kv_dtype not in KV_DTYPES:
+            raise KvslimError(f"unknown KV dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
+        if block_size < 1:
+            raise KvslimError(f"block size must be positive, got {block_size}")
+        if static_scales and kv_dtype not in QUANT_DTYPES:
+            raise KvslimError(f"static KV scales need a quantized KV dtype, not {kv_dtype}")
+        keys: list[tuple] = []
+        members: dict[tuple, list[int]] = {}
+        for i in layout.cache_owners():
+            l = layout.layers[i]
+            key = (l.kind, l.window, l.num_kv_heads, layout.head_dim, kv_dtype)
+            if key not in members:
+                keys.append(key)
+                members[key] = []
+            members[key].append(i)
+        groups = tuple(CacheGroup(*key, layers=tuple(members[key])) for key in keys)
+        owner_slot = {layer: (g, s) for g, grp in enumerate(groups) for s, layer in enumerate(grp.layers)}
+        slots = tuple(owner_slot[l.kv_source] for l in layout.layers)
+        return cls(groups, slots, block_size, static_scales)
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        return tuple(g.window for g in self.groups)
+
+    def scale_bytes(self, group: CacheGroup) -> int:
+        """Bytes of scale per token and head (0 for unquantized or per-layer scalar scales)."""
+        return SCALE_BYTES if group.quantized and not self.static_scales else 0
+
+    def block_bytes(self, g: int) -> int:
+        """Bytes one block of group ``g`` occupies over all its layers (K and V, with scales)."""
+        grp = self.groups[g]
+        elem = torch.empty((), dtype=KV_DTYPES[grp.kv_dtype]).element_size()
+        per_token_head = grp.head_dim * elem + self.scale_bytes(grp)
+        return 2 * len(grp.layers) * self.block_size * grp.num_kv_heads * per_token_head
+
+    def max_blocks_per_seq(self, g: int, max_model_len: int) -> int:
+        """Blocks one sequence of ``max_model_len`` tokens holds at once in group ``g`` (decoding)."""
+        full = math.ceil(max_model_len / self.block_size)
+        window = self.groups[g].window
+        if window is None:
+            return full
+        # W live positions [p - W + 1, p] span at most this many blocks, wherever they start.
+        return min(full, math.ceil((window + self.block_size - 1) / self.block_size))
+
+    def blocks_in_flight(self, g: int, max_model_len: int, chunk: int) -> int:
+        """Blocks one sequence may hold at once in group ``g`` while a prefill chunk of ``chunk``
+        tokens is written: all of them (full attention), or a window plus the chunk (sliding)."""
+        full = math.ceil(max_model_len / self.block_size)
+        window = self.groups[g].window
+        if window is None:
+            return full
+        return min(full, math.ceil((window + chunk + 2 * self.block_size) / self.block_size))
+
+    def plan_num_blocks(self, budget_bytes: int, max_model_len: int) -> tuple[int, ...]:
+        """Blocks per group for a byte budget, split so every group runs out at the same number
+        of ``max_model_len`` sequences (sliding groups need only their window's blocks)."""
+        per_seq = [self.max_blocks_per_seq(g, max_model_len) for g in range(len(self.groups))]
+        seq_bytes = sum(n * self.block_bytes(g) for g, n in enumerate(per_seq))
+        num_seqs = budget_bytes / seq_bytes
+        return tuple(int(num_seqs * n) for n in per_seq)
+
+
+@dataclass
+class LayerCache:
+    """One layer slot's tensors (views into its group's allocation)."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+
+
+class KVCache:
+    """The allocated paged tensors for a ``KVCacheSpec``; writes quantize, reads dequantize."""
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        num_blocks: tuple[int, ...],
+        device: torch.device | str = "cpu",
+        layer_scales: dict[int, tuple[float, float]] | None = None,
+    ):
+        if len(num_blocks) != len(spec.groups):
+            raise KvslimError(f"{len(num_blocks)} block counts for {len(spec.groups)} cache groups")
+        if spec.static_scales and layer_scales is None:
+            raise KvslimError("static KV scales requested but no per-layer scales given")
+        self.spec = spec
+        self.num_blocks = tuple(num_blocks)
+        # Refuse a budget that cannot fit, rather than die in the allocator (or be OOM-killed
+        # while the zeros are written).
+        nbytes = sum(n * spec.block_bytes(g) for g, n in enumerate(num_blocks))
+        mib = round(nbytes / MIB)
+        avail = available_memory_bytes() if torch.device(device).type == "cpu" else None
+        if avail is not None and nbytes > avail:
+            raise KvslimError(f"a KV cache of {mib} MiB does not fit in memory ({avail // MIB} MiB available)")
+        try:
+            self._allocate(device)
+        except RuntimeError as e:  # torch's allocators: "can't allocate memory" / "Tried to allocate"
+            if "allocate" not in str(e):
+                raise
+            raise KvslimError(f"cannot allocate a KV cache of {mib} MiB on {device}: out of memory") from None
+        self.layers: list[LayerCache] = []
+        for layer, (g, s) in enumerate(spec.layer_slots):
+            t = self.tensors[g]
+            owner = spec.groups[g].layers[s]
+            if spec.static_scales:
+                ks, vs = layer_scales[owner]
+                k_scale = torch.tensor(float(ks), dtype=torch.float32, device=device)
+                v_scale = torch.tensor(float(vs), dtype=torch.float32, device=device)
+            else:
+                k_scale = t["k_scale"][s] if "k_scale" in t else None
+                v_scale = t["v_scale"][s] if "v_scale" in t else None
+            self.layers.append(LayerCache(t["k_cache"][s], t["v_cache"][s], k_scale, v_scale))
+
+    def _allocate(self, device: torch.device | str) -> None:
+        """Each group's zeroed K/V (and scale) tensors into ``self.tensors``."""
+        spec = self.spec
+        self.tensors: list[dict[str, torch.Tensor]] = []
+        for grp, n in zip(spec.groups, self.num_blocks):
+            shape = (len(grp.layers), n, spec.block_size, grp.num_kv_heads, grp.head_dim)
+            t = {
+                "k_cache": torch.zeros(shape, dtype=KV_DTYPES[grp.kv_dtype], device=device),
+                "v_cache": torch.zeros(shape, dtype=KV_DTYPES[grp.kv_dtype], device=device),
+            }
+            if spec.scale_bytes(grp):
+                t["k_scale"] = torch.ones(shape[:-1], dtype=torch.float32, device=device)
+                t["v_scale"] = torch.ones(shape[:-1], dtype=torch.float32, device=device)
+            self.tensors.append(t)
+
+    def group_nbytes(self, g: int) -> int:
+        """Bytes actually allocated for group ``g`` (counted from the tensors)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors[g].values())
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store new ``k``, ``v`` ``[T, kvh, D]`` at ``slot_mapping [T]``, quantizing on write."""
+        lc = self.layers[layer]
+        self._store(lc.k_cache, lc.k_scale, k, slot_mapping)
+        self._store(lc.v_cache, lc.v_scale, v, slot_mapping)
+
+    def _store(self, cache: torch.Tensor, scale: torch.Tensor | None, x: torch.Tensor, slots: torch.Tensor) -> None:
+        if scale is None:
+            q = x.to(cache.dtype)
+        elif scale.dim() == 0:
+            q = quantize_static(x, scale, cache.dtype)
+        else:
+            q, s = quantize_per_token_head(x, cache.dtype)
+            scale.view(-1, scale.shape[-1]).index_copy_(0, slots, s)
+        if q.dtype == torch.float8_e4m3fn:  # CPU index_copy_ has no fp8 kernel: copy the bytes
+            cache, q = cache.view(torch.uint8), q.view(torch.uint8)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, q)
+
+    def gather(self, layer: int, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``blocks [..., nb]`` (physical ids) -> ``[..., nb * block_size, kvh, D]``."""
+        lc = self.layers[layer]
+        out = []
+        flat_ids = blocks.reshape(-1)
+        for cache, scale in ((lc.k_cache, lc.k_scale), (lc.v_cache, lc.v_scale)):
+            x = cache.index_select(0, flat_ids).view(*blocks.shape, *cache.shape[1:])  # [..., nb, bs, kvh, D]
+            if scale is not None:
+                if scale.dim():
+                    scale = scale.index_select(0, flat_ids).view(*blocks.shape, *scale.shape[1:])
+                x = dequantize(x, scale, dtype)
+            elif x.dtype != dtype:
+                x = x.to(dtype)
+            out.append(x.flatten(-4, -3))
+        return out[0], out[1]

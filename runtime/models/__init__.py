@@ -1,1 +1,0 @@
-"""The generic decoder model driven by ``runtime.spec.ModelSpec``."""
