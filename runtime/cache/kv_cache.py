@@ -23,12 +23,8 @@ import torch
 
 from foundation.attention_layout import AttentionLayout
 from foundation.errors import KvslimError
-from runtime.cache.kv_quant import (
-    QUANT_DTYPES,
-    dequantize,
-    quantize_per_token_head,
-    quantize_static,
-)
+from runtime.cache.kv_quant import QUANT_DTYPES
+from runtime.cache.paged_rows import gather_blocks, store_rows
 
 KV_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -215,33 +211,10 @@ class KVCache:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store new ``k``, ``v`` ``[T, kvh, D]`` at ``slot_mapping [T]``, quantizing on write."""
         lc = self.layers[layer]
-        self._store(lc.k_cache, lc.k_scale, k, slot_mapping)
-        self._store(lc.v_cache, lc.v_scale, v, slot_mapping)
-
-    def _store(self, cache: torch.Tensor, scale: torch.Tensor | None, x: torch.Tensor, slots: torch.Tensor) -> None:
-        if scale is None:
-            q = x.to(cache.dtype)
-        elif scale.dim() == 0:
-            q = quantize_static(x, scale, cache.dtype)
-        else:
-            q, s = quantize_per_token_head(x, cache.dtype)
-            scale.view(-1, scale.shape[-1]).index_copy_(0, slots, s)
-        if q.dtype == torch.float8_e4m3fn:  # CPU index_copy_ has no fp8 kernel: copy the bytes
-            cache, q = cache.view(torch.uint8), q.view(torch.uint8)
-        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, q)
+        store_rows(lc.k_cache, lc.k_scale, k, slot_mapping)
+        store_rows(lc.v_cache, lc.v_scale, v, slot_mapping)
 
     def gather(self, layer: int, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``blocks [..., nb]`` (physical ids) -> ``[..., nb * block_size, kvh, D]``."""
         lc = self.layers[layer]
-        out = []
-        flat_ids = blocks.reshape(-1)
-        for cache, scale in ((lc.k_cache, lc.k_scale), (lc.v_cache, lc.v_scale)):
-            x = cache.index_select(0, flat_ids).view(*blocks.shape, *cache.shape[1:])  # [..., nb, bs, kvh, D]
-            if scale is not None:
-                if scale.dim():
-                    scale = scale.index_select(0, flat_ids).view(*blocks.shape, *scale.shape[1:])
-                x = dequantize(x, scale, dtype)
-            elif x.dtype != dtype:
-                x = x.to(dtype)
-            out.append(x.flatten(-4, -3))
-        return out[0], out[1]
+        return gather_blocks(lc.k_cache, lc.k_scale, blocks, dtype), gather_blocks(lc.v_cache, lc.v_scale, blocks, dtype)

@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from foundation.errors import KvslimError
-from runtime.cache import kv_quant
 from runtime.cache.kv_quant import QMAX
+from runtime.cache.paged_rows import store_rows
 
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.int8)
 QUANTIZED_KV_DTYPES = (torch.float8_e4m3fn, torch.int8)
@@ -167,16 +167,6 @@ def store_kv(
 
 
 # --------------------------------------------------------------------------- references (plain torch)
-def reference_dequantize_kv(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """fp32 values of cached K or V rows ``[..., head_dim]``; ``scale`` ``[...]`` per row, a
-    one-element tensor, or None for an unquantized cache."""
-    if scale is None:
-        return x.float()
-    if scale.numel() == 1:
-        return kv_quant.dequantize(x, scale.reshape(()))
-    return kv_quant.dequantize(x, scale)
-
-
 def reference_store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -188,18 +178,7 @@ def reference_store_kv(
 ) -> None:
     """Plain-torch oracle (and CPU path) for ``store_kv``; writes in place."""
     _check_store(k, v, k_cache, v_cache, slot_mapping)
-    per_token = check_kv_scales(k_cache, k_scale, v_scale)
+    check_kv_scales(k_cache, k_scale, v_scale)
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    block_size = k_cache.shape[1]
-    blocks, offsets = slots // block_size, slots % block_size
-    for new, cache, scale in ((k[keep], k_cache, k_scale), (v[keep], v_cache, v_scale)):
-        if cache.dtype in QUANTIZED_KV_DTYPES:
-            if per_token:
-                q, s = kv_quant.quantize_per_token_head(new, cache.dtype)
-                scale[blocks, offsets] = s
-            else:
-                q = kv_quant.quantize_static(new, scale.reshape(()), cache.dtype)
-            cache[blocks, offsets] = q
-        else:
-            cache[blocks, offsets] = new.to(cache.dtype)
+    store_rows(k_cache, k_scale, k[keep], slot_mapping[keep])
+    store_rows(v_cache, v_scale, v[keep], slot_mapping[keep])

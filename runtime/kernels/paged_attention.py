@@ -25,10 +25,10 @@ import triton.language as tl
 
 from foundation.errors import KvslimError
 from runtime.attention.backend import reference_attention
+from runtime.cache.paged_rows import gather_blocks
 from runtime.kernels.kv_store import (
     check_kv_cache,
     check_kv_scales,
-    reference_dequantize_kv,
 )
 
 SPLIT_MIN_TOKENS = 256  # a decode split covers at least this many cached tokens
@@ -224,11 +224,8 @@ def gather_sequence_kv(
     cache: torch.Tensor, scale: torch.Tensor | None, block_table: torch.Tensor, length: int
 ) -> torch.Tensor:
     """fp32 ``[length, KVH, D]`` rows of one sequence from a paged cache (dequantized)."""
-    block_size = cache.shape[1]
-    pos = torch.arange(length, device=cache.device)
-    blocks, offsets = block_table.long()[pos // block_size], pos % block_size
-    rows_scale = scale if scale is None or scale.numel() == 1 else scale[blocks, offsets]
-    return reference_dequantize_kv(cache[blocks, offsets], rows_scale)
+    num_blocks = -(-length // cache.shape[1])
+    return gather_blocks(cache, scale, block_table[:num_blocks].long(), torch.float32)[:length]
 
 
 def reference_paged_attention(
