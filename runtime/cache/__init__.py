@@ -1,0 +1,1 @@
+"""The paged KV cache: layout, store and gather, quantization, bytes per token."""

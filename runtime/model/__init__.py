@@ -1,0 +1,1 @@
+"""The decoder: model spec, checkpoint loader, layers."""
