@@ -92,34 +92,27 @@ def run(args: argparse.Namespace) -> int:
     path = resolve_model(source)
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise KvslimError(f"{path}: no tokenizer files; the server needs the model's tokenizer")
-    positions = _max_positions(path)
+    from foundation.checkpoint import Checkpoint
+
+    ckpt = Checkpoint.open(path)  # config.json read once: the checks here, then the engine
+    positions = ckpt.config.get("max_position_embeddings")
+    positions = positions if isinstance(positions, int) else None
     if args.max_model_len is not None and positions is not None and args.max_model_len > positions:
         # vLLM refuses this too: positions past the trained context give garbage, not an error.
         raise KvslimError(f"--max-model-len {args.max_model_len} exceeds the model's context "
                           f"(max_position_embeddings={positions})")
     with bind(args.host, args.port) as sock:
-        return _serve(args, sock, path, source)
+        return _serve(args, sock, ckpt, source)
 
 
-def _max_positions(path: Path) -> int | None:
-    import json
-
-    try:
-        value = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
-    except (OSError, ValueError):
-        return None  # the loader names a missing or broken config
-    return value if isinstance(value, int) else None
-
-
-def _serve(args: argparse.Namespace, sock: socket.socket, path: Path, source: str) -> int:
+def _serve(args: argparse.Namespace, sock: socket.socket, ckpt, source: str) -> int:
     """Build the engine and the app, then serve on ``sock`` until SIGTERM / Ctrl-C."""
-    import json
-
     import torch
     import uvicorn
     from transformers import AutoTokenizer
 
     from foundation.attention_layout import AttentionLayout
+    from foundation.checkpoint import Checkpoint
     from foundation.model_source import resolve_model
     from runtime.cache.kv_cache import KV_DTYPES as KV_TORCH_DTYPES
     from runtime.engine.engine import Engine, EngineConfig
@@ -130,7 +123,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, path: Path, source: st
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    engine = Engine.from_checkpoint(path, EngineConfig(
+    path = ckpt.path
+    engine = Engine.from_checkpoint(ckpt, EngineConfig(
         dtype=args.dtype,
         kv_dtype=KV_DTYPES[args.kv_cache_dtype],
         max_num_seqs=args.max_num_seqs,
@@ -139,10 +133,10 @@ def _serve(args: argparse.Namespace, sock: socket.socket, path: Path, source: st
     ))
     tokenizer = AutoTokenizer.from_pretrained(path)
 
-    layout = AttentionLayout.from_config(json.loads((path / "config.json").read_text()))
+    layout = engine.model.spec.attention
     original_source = args.original or (DEFAULT_MODEL if args.checkpoint is None else None)
     original = layout if original_source is None else AttentionLayout.from_config(
-        json.loads((resolve_model(original_source) / "config.json").read_text()))
+        Checkpoint.open(resolve_model(original_source)).config)
     group = engine.kv_spec.groups[0]
     dtype_bytes = torch.empty((), dtype=KV_TORCH_DTYPES[group.kv_dtype]).element_size()
     footprint = KVFootprint.of(layout, dtype_bytes, engine.kv_spec.scale_bytes(group), original, engine.max_model_len)

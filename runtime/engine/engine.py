@@ -158,12 +158,13 @@ class Engine:
         return cls(model, EngineConfig(kv_cache_bytes=budget, max_model_len=longest, **config))
 
     @classmethod
-    def from_checkpoint(cls, model: str | Path, config: EngineConfig = EngineConfig()) -> "Engine":
-        """Load ``model`` (a name ``resolve_model`` knows, or a checkpoint dir) and build an engine."""
+    def from_checkpoint(cls, model: str | Path | Checkpoint, config: EngineConfig = EngineConfig()) -> "Engine":
+        """Load ``model`` (a name ``resolve_model`` knows, a checkpoint dir, or one already opened)
+        and build an engine."""
         from foundation.model_source import resolve_model
         from runtime.model.loader import load_model
 
-        ckpt = Checkpoint.open(resolve_model(str(model)))
+        ckpt = model if isinstance(model, Checkpoint) else Checkpoint.open(resolve_model(str(model)))
         decoder = load_model(ckpt, config.dtype)
         spec = decoder.spec
         scales = kv_layer_scales(ckpt, spec.attention.cache_owners())
