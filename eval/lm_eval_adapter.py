@@ -29,11 +29,11 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from foundation.errors import KvslimError
+from runtime.cache.kv_dtype_choices import KV_CACHE_DTYPES as CLI_KV_CACHE_DTYPES
 
 MODEL_NAME = "kvslim"
 # model_args spelling -> the engine's KV dtype name
-KV_CACHE_DTYPES = {"auto": None, "fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16",
-                   "fp16": "fp16", "float16": "fp16", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "int8": "int8"}
+KV_CACHE_DTYPES = {**CLI_KV_CACHE_DTYPES, "float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "fp8_e4m3": "fp8_e4m3"}
 DEFAULT_MAX_GEN_TOKS = 256
 MIB = 1 << 20
 
@@ -41,7 +41,7 @@ MIB = 1 << 20
 class KvslimLM(TemplateLM):
     """``pretrained``: checkpoint dir or model name; ``dtype``: activations (auto / float32 / bfloat16);
     ``kv_cache_dtype``: auto (the checkpoint's kv_cache_scheme, else the model dtype) | fp32 | bf16
-    | fp16 | fp8 | int8; ``max_length``: longest scored window (default: the model's
+    | fp16 | fp8 | int8 | int4 | int2; ``max_length``: longest scored window (default: the model's
     max_position_embeddings, capped at 4096 as the engine's max_model_len); ``batch_size``: requests
     the engine runs concurrently; ``kv_cache_mib``: the KV pool."""
 

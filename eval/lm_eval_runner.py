@@ -118,7 +118,7 @@ def load_kvslim(ckpt: Path, plan: "EvalPlan") -> EvalModel:
     from eval.lm_eval_adapter import KvslimLM, register
 
     register()
-    lm = KvslimLM(pretrained=str(ckpt), batch_size=plan.batch_size, dtype=plan.dtype)
+    lm = KvslimLM(pretrained=str(ckpt), batch_size=plan.batch_size, dtype=plan.dtype, kv_cache_dtype=plan.kv_cache_dtype)
     return EvalModel(lm=lm, logits_fn=lm.logits_fn, tokenizer=lm.tokenizer)
 
 
@@ -136,10 +136,11 @@ class EvalPlan:
     perplexity_tokens: int = PERPLEXITY_TOKENS
     batch_size: int = DEFAULT_BATCH_SIZE
     dtype: str = "auto"  # the kvslim backend's activations (the hf backend runs float32)
+    kv_cache_dtype: str = "auto"  # the kvslim backend's KV cache (runtime.cache.kv_dtype_choices)
 
     @classmethod
     def make(cls, tasks: list[str] | None, limit: int | None, perplexity_tokens: int | None, batch_size: int,
-             dtype: str = "auto") -> "EvalPlan":
+             dtype: str = "auto", kv_cache_dtype: str = "auto") -> "EvalPlan":
         names = tuple(tasks) if tasks else DEFAULT_TASKS
         unknown = [t for t in names if t not in LM_EVAL_TASKS and t not in PERPLEXITY_TASKS]
         if unknown:
@@ -147,7 +148,7 @@ class EvalPlan:
         if limit is not None and limit < 1:
             raise KvslimError(f"--limit must be >= 1, got {limit}")
         limits = {t: min(limit or DEFAULT_LIMITS[t], LM_EVAL_TASKS[t].num_docs) for t in names if t in LM_EVAL_TASKS}
-        return cls(names, limits, perplexity_tokens or PERPLEXITY_TOKENS, batch_size, dtype)
+        return cls(names, limits, perplexity_tokens or PERPLEXITY_TOKENS, batch_size, dtype, kv_cache_dtype)
 
     def settings(self) -> dict:
         """Everything that changes the numbers: part of the results cache key."""
@@ -162,6 +163,7 @@ class EvalPlan:
             "perplexity_tokens": self.perplexity_tokens if any(t in PERPLEXITY_TASKS for t in self.tasks) else None,
             "batch_size": self.batch_size,
             "kvslim_dtype": choose_activation_dtype(self.dtype).name,  # auto resolves by the CPU
+            **({"kvslim_kv_cache_dtype": self.kv_cache_dtype} if self.kv_cache_dtype != "auto" else {}),
             "pack_version": PACK_VERSION,
             "lm_eval": lm_eval.__version__,
             "transformers": transformers.__version__,

@@ -19,8 +19,14 @@ import torch
 
 from foundation.errors import KvslimError
 from foundation.model_source import resolve_model
+from runtime.cache.kv_cache import KVCacheSpec
 from runtime.engine.detokenizer import Detokenizer
-from runtime.engine.engine import Engine, StepOutput
+from runtime.engine.engine import (
+    MODEL_KV_DTYPES,
+    Engine,
+    StepOutput,
+    default_block_size,
+)
 from runtime.engine.sampling import SamplingParams, TokenLogprob
 from runtime.model.loader import live_weight_bytes, load_model
 
@@ -67,7 +73,8 @@ class LLM:
     ``dtype``: ``auto`` (default: by the CPU's features, ``runtime.model.layers.activation_dtype``) or
     ``float32`` / ``bfloat16`` / ``float16`` activations (quantized weights stay packed).
     ``max_model_len``: longest sequence (prompt + output), at most the config's
-    ``max_position_embeddings``.
+    ``max_position_embeddings``. ``kv_cache_dtype``: the paged cache's KV dtype (``fp8_e4m3``,
+    ``int8``, ``int4``, ``int2``, ...; default: the activation dtype).
     """
 
     def __init__(
@@ -78,6 +85,7 @@ class LLM:
         max_num_seqs: int = 32,
         prefill_chunk: int = 1024,
         use_cpu_kernels: bool = True,
+        kv_cache_dtype: str | None = None,
     ) -> None:
         self.path = resolve_model(checkpoint)
         self.model = load_model(self.path, dtype, use_cpu_kernels=use_cpu_kernels)
@@ -93,6 +101,9 @@ class LLM:
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk = prefill_chunk
         self.tokenizer = self._load_tokenizer()
+        self.kv_cache_dtype = kv_cache_dtype or MODEL_KV_DTYPES[self.dtype]
+        block = default_block_size(self.kv_cache_dtype)
+        self.kv_spec = KVCacheSpec.from_layout(self.spec.attention, self.kv_cache_dtype, block)  # refuses a bad name
 
     # --- setup -------------------------------------------------------------------------------
     def _load_tokenizer(self):
@@ -108,10 +119,11 @@ class LLM:
         return live_weight_bytes(self.model)
 
     def kv_bytes_per_token(self, context_len: int | None = None) -> float:
-        """KV bytes per token at ``context_len`` (default: max_model_len) in this runtime's
-        cache dtype, by ``AttentionLayout.kv_bytes_per_token``."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.spec.attention.kv_bytes_per_token(context_len or self.max_model_len, elem)
+        """KV bytes per token at ``context_len`` (default: max_model_len) in this runtime's cache
+        dtype, scales included, by ``AttentionLayout.kv_bytes_per_token``."""
+        spec = self.kv_spec
+        return self.spec.attention.kv_bytes_per_token(context_len or self.max_model_len, spec.element_bytes(0),
+                                                      spec.scale_bytes(spec.groups[0]))
 
     # --- inputs ------------------------------------------------------------------------------
     def _tokenize(self, prompt: PromptInput, i: int) -> tuple[str | None, list[int]]:
@@ -152,7 +164,8 @@ class LLM:
         seqs = [self._tokenize(s, i)[1] for i, s in enumerate(self._as_list(token_ids))]
         for i, ids in enumerate(seqs):
             self._check_length(ids, i)
-        engine = Engine.sized_for(self.model, max(map(len, seqs)), 1, max_num_batched_tokens=self.prefill_chunk)
+        engine = Engine.sized_for(self.model, max(map(len, seqs)), 1, max_num_batched_tokens=self.prefill_chunk,
+                                  kv_dtype=self.kv_cache_dtype)
         results = [engine.score(ids) for ids in seqs]
         return results[0] if single else results
 
@@ -207,7 +220,7 @@ class LLM:
         longest = min(max(len(r.prompt_ids) + r.params.max_tokens for r in requests), self.max_model_len)
         return Engine.sized_for(self.model, longest, min(len(requests), self.max_num_seqs),
                                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.prefill_chunk,
-                                enable_prefix_caching=True)
+                                enable_prefix_caching=True, kv_dtype=self.kv_cache_dtype)
 
     def _run(self, requests: list[_Request]) -> Iterator[_Request]:
         """Run ``requests`` on a fresh engine; yield each request whenever it changes."""

@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from foundation.errors import KvslimError
+from runtime.cache.kv_dtype_choices import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES
 from runtime.model.layers.dtype_choices import DTYPE_CHOICES, DTYPE_HELP
 
 
@@ -27,6 +28,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size (default 8)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help=f"--backend kvslim {DTYPE_HELP} (the hf backend runs float32)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help=f"--backend kvslim {KV_CACHE_DTYPE_HELP}")
     p.add_argument("--no-cache", action="store_true", help="re-run even when cached results exist")
 
 
@@ -91,7 +94,10 @@ def run(args: argparse.Namespace) -> int:
     gate_cfg = GateConfig.load(args.scheme)
     if args.baseline is None and args.scheme != "default":
         raise KvslimError(f"--scheme {args.scheme} chooses recovery gates: it needs --baseline CKPT")
-    plan = EvalPlan.make(_task_list(args.tasks), args.limit, args.ppl_tokens, args.batch_size, args.dtype)
+    if args.kv_cache_dtype != "auto" and args.backend != "kvslim":
+        raise KvslimError("--kv-cache-dtype applies to --backend kvslim (the hf backend keeps transformers' cache)")
+    plan = EvalPlan.make(_task_list(args.tasks), args.limit, args.ppl_tokens, args.batch_size, args.dtype,
+                         args.kv_cache_dtype)
     ckpt = _checked_checkpoint(args.checkpoint)
     baseline = _checked_checkpoint(args.baseline) if args.baseline is not None else None
     ppl_names = [t for t in plan.tasks if t in PERPLEXITY_TASKS]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from runtime.cache.kv_dtype_choices import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES
 from runtime.model.layers.dtype_choices import DTYPE_CHOICES, DTYPE_HELP
 
 
@@ -17,6 +18,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES), help=KV_CACHE_DTYPE_HELP)
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--stats", action="store_true", help="print weight bytes and KV bytes per token")
@@ -39,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
         top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
     )
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
-    llm = LLM(checkpoint, dtype=args.dtype, max_model_len=args.max_model_len)
+    llm = LLM(checkpoint, dtype=args.dtype, max_model_len=args.max_model_len,
+              kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
     if args.chat:
         if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
             raise KvslimError(f"{llm.path}: no chat template in the tokenizer; drop --chat")
@@ -72,7 +75,7 @@ def format_stats(llm, num_prompt_tokens: int, completion) -> str:
         f"checkpoint: {llm.path}",
         f"activations: {llm.activation_dtype.describe()}",
         f"weights: {llm.weight_bytes() / 2**20:.1f} MiB resident (quantized weights packed)",
-        f"kv cache: {kv / 1024:.2f} KiB/token at context {ctx} ({llm.activation_dtype.name}); "
+        f"kv cache: {kv / 1024:.2f} KiB/token at context {ctx} ({llm.kv_cache_dtype}); "
         f"{kv_short / 1024:.2f} KiB/token at this request's {num_prompt_tokens + len(completion.token_ids)} tokens",
         f"tokens: {num_prompt_tokens} prompt + {len(completion.token_ids)} generated ({completion.finish_reason})",
     ]

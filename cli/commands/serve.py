@@ -18,9 +18,9 @@ from pathlib import Path
 
 from foundation.errors import KvslimError
 from foundation.model_source import DEFAULT_MODEL
+from runtime.cache.kv_dtype_choices import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES
 from runtime.model.layers.dtype_choices import DTYPE_CHOICES, DTYPE_HELP
 
-KV_DTYPES = {"auto": None, "fp8": "fp8_e4m3", "int8": "int8"}
 API_KEY_ENV = "KVSLIM_API_KEY"
 
 
@@ -32,8 +32,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (or set ${API_KEY_ENV})")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
-    p.add_argument("--kv-cache-dtype", choices=sorted(KV_DTYPES), default="auto",
-                   help="KV cache dtype; auto = the checkpoint's kv_cache_scheme, else the model dtype")
+    p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto", help=KV_CACHE_DTYPE_HELP)
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests in the running batch")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens")
     p.add_argument("--max-queue", type=int, default=None,
@@ -114,7 +113,6 @@ def _serve(args: argparse.Namespace, sock: socket.socket, ckpt, source: str) -> 
     from foundation.attention_layout import AttentionLayout
     from foundation.checkpoint import Checkpoint
     from foundation.model_source import resolve_model
-    from runtime.cache.kv_cache import KV_DTYPES as KV_TORCH_DTYPES
     from runtime.engine.engine import Engine, EngineConfig
     from runtime.server.app import create_app
     from runtime.server.engine_adapter import ThreadedEngine
@@ -126,7 +124,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, ckpt, source: str) -> 
     path = ckpt.path
     engine = Engine.from_checkpoint(ckpt, EngineConfig(
         dtype=args.dtype,
-        kv_dtype=KV_DTYPES[args.kv_cache_dtype],
+        kv_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype],
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         kv_cache_bytes=args.kv_cache_mib << 20,
@@ -138,8 +136,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, ckpt, source: str) -> 
     original = layout if original_source is None else AttentionLayout.from_config(
         Checkpoint.open(resolve_model(original_source)).config)
     group = engine.kv_spec.groups[0]
-    dtype_bytes = torch.empty((), dtype=KV_TORCH_DTYPES[group.kv_dtype]).element_size()
-    footprint = KVFootprint.of(layout, dtype_bytes, engine.kv_spec.scale_bytes(group), original, engine.max_model_len)
+    footprint = KVFootprint.of(layout, engine.kv_spec.element_bytes(0), engine.kv_spec.scale_bytes(group), original,
+                               engine.max_model_len)
 
     # A known name (smollm2) is the model id; a directory or file is known by its name.
     model_name = args.served_model_name or (path.name if Path(source).exists() else source)

@@ -213,8 +213,7 @@ class PagedAttentionBackend:
             rows = batch.decode_rows
             kk, vv = self.cache.gather(layer_idx, plan.decode_blocks, q.dtype)
             out[rows] = _attend_decode(q[rows], kk, vv, plan, params)
-        lc = self.cache.layers[layer_idx]
-        fresh_ok = k is not None and lc.k_scale is None and lc.k_cache.dtype == q.dtype
+        fresh_ok = k is not None and self.cache.stores_exactly(layer_idx, q.dtype)
         for i, rows, blocks, allowed in plan.chunks:
             n = rows.stop - rows.start
             if fresh_ok and batch.first_positions[i] == 0 and (params.window or n) >= n and params.softcap is None:

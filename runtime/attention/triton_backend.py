@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from foundation.errors import KvslimError
 from runtime.attention.backend import AttentionParams
 from runtime.attention.paged import PagedBatch
 from runtime.cache.kv_cache import KVCache
@@ -27,6 +28,10 @@ class KernelAttentionBackend:
     """
 
     def __init__(self, cache: KVCache, params: Sequence[AttentionParams], use_triton: bool | None = None):
+        low_bit = sorted({g.kv_dtype for g in cache.spec.groups if g.bits})
+        if low_bit:
+            raise KvslimError(f"the kernel attention backend has no {'/'.join(low_bit)} KV layout yet; "
+                              "use the torch backend")
         self.cache = cache
         self.params = tuple(params)
         self.batch: PagedBatch | None = None

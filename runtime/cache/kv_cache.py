@@ -9,7 +9,9 @@ Layout per layer slot (shared with ``runtime/kernels``):
 - ``k_cache``, ``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the KV dtype
   (``float8_e4m3fn`` / ``int8`` for quantized KV);
 - quantized KV adds ``k_scale``, ``v_scale``: ``[num_blocks, block_size, num_kv_heads]`` fp32
-  (dynamic, per token and head), or 0-dim fp32 per-layer scalars from the checkpoint.
+  (dynamic, per token and head), or 0-dim fp32 per-layer scalars from the checkpoint;
+- ``int4`` / ``int2`` KV is packed instead (``runtime.cache.packed_layer``): codes, per-block key
+  and per-token value parameters, and a few full-precision residual blocks for open blocks.
 A token at logical position ``p`` of a sequence lives in slot
 ``block_table[p // block_size] * block_size + p % block_size``.
 """
@@ -24,6 +26,13 @@ import torch
 from foundation.attention_layout import AttentionLayout
 from foundation.errors import KvslimError
 from runtime.cache.kv_quant import QUANT_DTYPES
+from runtime.cache.low_bit_kv import (
+    LOW_BIT_KV,
+    PARAM_DTYPE,
+    bytes_per_token_head,
+    packed_dim,
+)
+from runtime.cache.packed_layer import PackedLayerCache
 from runtime.cache.paged_rows import gather_blocks, store_rows
 
 KV_DTYPES: dict[str, torch.dtype] = {
@@ -32,6 +41,7 @@ KV_DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     **QUANT_DTYPES,
 }
+CACHE_DTYPES = (*KV_DTYPES, *LOW_BIT_KV)  # every KV dtype the cache stores
 SCALE_BYTES = 4  # fp32 per token and head
 MIB = 1 << 20
 RELEASED = -1  # block-table entry of a window block given back as the window slid past it
@@ -61,6 +71,11 @@ class CacheGroup:
     def quantized(self) -> bool:
         return self.kv_dtype in QUANT_DTYPES
 
+    @property
+    def bits(self) -> int | None:
+        """4 or 2 for packed low-bit KV, else None."""
+        return LOW_BIT_KV.get(self.kv_dtype)
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
@@ -75,8 +90,10 @@ class KVCacheSpec:
     def from_layout(
         cls, layout: AttentionLayout, kv_dtype: str, block_size: int = 16, static_scales: bool = False
     ) -> "KVCacheSpec":
-        if kv_dtype not in KV_DTYPES:
-            raise KvslimError(f"unknown KV dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
+        if kv_dtype not in CACHE_DTYPES:
+            raise KvslimError(f"unknown KV dtype {kv_dtype!r}; choose one of {', '.join(CACHE_DTYPES)}")
+        if kv_dtype in LOW_BIT_KV and (layout.head_dim * LOW_BIT_KV[kv_dtype]) % 8:
+            raise KvslimError(f"{kv_dtype} KV packs head_dim into bytes; head_dim {layout.head_dim} does not fit")
         if block_size < 1:
             raise KvslimError(f"block size must be positive, got {block_size}")
         if static_scales and kv_dtype not in QUANT_DTYPES:
@@ -103,12 +120,31 @@ class KVCacheSpec:
         """Bytes of scale per token and head (0 for unquantized or per-layer scalar scales)."""
         return SCALE_BYTES if group.quantized and not self.static_scales else 0
 
+    def element_bytes(self, g: int) -> float:
+        """Bytes per stored K or V element of group ``g``; packed low-bit KV counts its
+        parameters in (``scale_bytes`` then adds nothing)."""
+        grp = self.groups[g]
+        if grp.bits:
+            return bytes_per_token_head(grp.head_dim, grp.bits, self.block_size) / (2 * grp.head_dim)
+        return torch.empty((), dtype=KV_DTYPES[grp.kv_dtype]).element_size()
+
     def block_bytes(self, g: int) -> int:
         """Bytes one block of group ``g`` occupies over all its layers (K and V, with scales)."""
         grp = self.groups[g]
+        if grp.bits:
+            per_token = bytes_per_token_head(grp.head_dim, grp.bits, self.block_size)
+            return int(len(grp.layers) * self.block_size * grp.num_kv_heads * per_token)
         elem = torch.empty((), dtype=KV_DTYPES[grp.kv_dtype]).element_size()
         per_token_head = grp.head_dim * elem + self.scale_bytes(grp)
         return 2 * len(grp.layers) * self.block_size * grp.num_kv_heads * per_token_head
+
+    def residual_block_bytes(self, g: int, residual_dtype: torch.dtype) -> int:
+        """Bytes of one full-precision residual block over group ``g``'s layers (low-bit KV only)."""
+        grp = self.groups[g]
+        if not grp.bits:
+            return 0
+        elem = torch.empty((), dtype=residual_dtype).element_size()
+        return 2 * len(grp.layers) * self.block_size * grp.num_kv_heads * grp.head_dim * elem
 
     def max_blocks_per_seq(self, g: int, max_model_len: int) -> int:
         """Blocks one sequence of ``max_model_len`` tokens holds at once in group ``g`` (decoding)."""
@@ -156,7 +192,11 @@ class KVCache:
         num_blocks: tuple[int, ...],
         device: torch.device | str = "cpu",
         layer_scales: dict[int, tuple[float, float]] | None = None,
+        residual_blocks: int = 0,
+        residual_dtype: torch.dtype = torch.float32,
     ):
+        """``residual_blocks``: full-precision blocks per low-bit layer for blocks being filled
+        (at least the number of sequences that run at once); ``residual_dtype``: theirs."""
         if len(num_blocks) != len(spec.groups):
             raise KvslimError(f"{len(num_blocks)} block counts for {len(spec.groups)} cache groups")
         if spec.static_scales and layer_scales is None:
@@ -165,7 +205,11 @@ class KVCache:
         self.num_blocks = tuple(num_blocks)
         # Refuse a budget that cannot fit, rather than die in the allocator (or be OOM-killed
         # while the zeros are written).
-        nbytes = sum(n * spec.block_bytes(g) for g, n in enumerate(num_blocks))
+        if residual_blocks < 1 and any(g.bits for g in spec.groups):
+            raise KvslimError("low-bit KV needs full-precision residual blocks for the blocks being filled")
+        self.residual_blocks, self.residual_dtype = residual_blocks, residual_dtype
+        nbytes = sum(n * spec.block_bytes(g) + residual_blocks * spec.residual_block_bytes(g, residual_dtype)
+                     for g, n in enumerate(num_blocks))
         mib = round(nbytes / MIB)
         avail = available_memory_bytes() if torch.device(device).type == "cpu" else None
         if avail is not None and nbytes > avail:
@@ -176,10 +220,19 @@ class KVCache:
             if "allocate" not in str(e):
                 raise
             raise KvslimError(f"cannot allocate a KV cache of {mib} MiB on {device}: out of memory") from None
-        self.layers: list[LayerCache] = []
+        # per group, per slot: the packed layer caches (low-bit groups only)
+        self.packed: list[list[PackedLayerCache]] = [
+            [PackedLayerCache({k: t[s] for k, t in self.tensors[g].items()}, grp.bits, residual_dtype)
+             for s in range(len(grp.layers))] if grp.bits else []
+            for g, grp in enumerate(spec.groups)
+        ]
+        self.layers: list[LayerCache | PackedLayerCache] = []
         for layer, (g, s) in enumerate(spec.layer_slots):
             t = self.tensors[g]
             owner = spec.groups[g].layers[s]
+            if spec.groups[g].bits:
+                self.layers.append(self.packed[g][s])
+                continue
             if spec.static_scales:
                 ks, vs = layer_scales[owner]
                 k_scale = torch.tensor(float(ks), dtype=torch.float32, device=device)
@@ -195,6 +248,9 @@ class KVCache:
         self.tensors: list[dict[str, torch.Tensor]] = []
         for grp, n in zip(spec.groups, self.num_blocks):
             shape = (len(grp.layers), n, spec.block_size, grp.num_kv_heads, grp.head_dim)
+            if grp.bits:
+                self.tensors.append(self._allocate_low_bit(grp, shape, device))
+                continue
             t = {
                 "k_cache": torch.zeros(shape, dtype=KV_DTYPES[grp.kv_dtype], device=device),
                 "v_cache": torch.zeros(shape, dtype=KV_DTYPES[grp.kv_dtype], device=device),
@@ -204,6 +260,32 @@ class KVCache:
                 t["v_scale"] = torch.ones(shape[:-1], dtype=torch.float32, device=device)
             self.tensors.append(t)
 
+    def _allocate_low_bit(self, grp: CacheGroup, shape: tuple[int, ...], device) -> dict[str, torch.Tensor]:
+        layers, n, bs, kvh, d = shape
+        codes = (layers, n, bs, kvh, packed_dim(d, grp.bits))
+        residual = (layers, self.residual_blocks, bs, kvh, d)
+        return {
+            "k_codes": torch.zeros(codes, dtype=torch.uint8, device=device),
+            "v_codes": torch.zeros(codes, dtype=torch.uint8, device=device),
+            "k_scale": torch.ones((layers, n, kvh, d), dtype=PARAM_DTYPE, device=device),
+            "k_min": torch.zeros((layers, n, kvh, d), dtype=PARAM_DTYPE, device=device),
+            "v_scale": torch.ones((layers, n, bs, kvh), dtype=PARAM_DTYPE, device=device),
+            "v_min": torch.zeros((layers, n, bs, kvh), dtype=PARAM_DTYPE, device=device),
+            "k_residual": torch.zeros(residual, dtype=self.residual_dtype, device=device),
+            "v_residual": torch.zeros(residual, dtype=self.residual_dtype, device=device),
+        }
+
+    def release_block(self, g: int, block: int) -> None:
+        """The block manager freed ``block`` of group ``g``: an open low-bit block gives back its
+        residual slots."""
+        for layer_cache in self.packed[g]:
+            layer_cache.release(block)
+
+    def stores_exactly(self, layer: int, dtype: torch.dtype) -> bool:
+        """Whether ``layer``'s cache keeps K/V of ``dtype`` unchanged (no quantization, same dtype)."""
+        lc = self.layers[layer]
+        return isinstance(lc, LayerCache) and lc.k_scale is None and lc.k_cache.dtype == dtype
+
     def group_nbytes(self, g: int) -> int:
         """Bytes actually allocated for group ``g`` (counted from the tensors)."""
         return sum(t.numel() * t.element_size() for t in self.tensors[g].values())
@@ -211,10 +293,15 @@ class KVCache:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store new ``k``, ``v`` ``[T, kvh, D]`` at ``slot_mapping [T]``, quantizing on write."""
         lc = self.layers[layer]
+        if isinstance(lc, PackedLayerCache):
+            lc.write(k, v, slot_mapping)
+            return
         store_rows(lc.k_cache, lc.k_scale, k, slot_mapping)
         store_rows(lc.v_cache, lc.v_scale, v, slot_mapping)
 
     def gather(self, layer: int, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``blocks [..., nb]`` (physical ids) -> ``[..., nb * block_size, kvh, D]``."""
         lc = self.layers[layer]
+        if isinstance(lc, PackedLayerCache):
+            return lc.gather(blocks, dtype)
         return gather_blocks(lc.k_cache, lc.k_scale, blocks, dtype), gather_blocks(lc.v_cache, lc.v_scale, blocks, dtype)

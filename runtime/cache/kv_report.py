@@ -26,8 +26,9 @@ from foundation.attention_layout import (
     AttentionLayout,
     LayerAttention,
 )
-from runtime.cache.kv_cache import KV_DTYPES, KVCache, KVCacheSpec
+from runtime.cache.kv_cache import KVCache, KVCacheSpec
 from runtime.cache.kv_quant import QUANT_DTYPES
+from runtime.cache.low_bit_kv import default_block_size
 from runtime.engine.block_manager import BlockManager, PrefixHit
 
 GIB = 1 << 30
@@ -57,6 +58,8 @@ class VariantReport:
     capacity_seqs: int
     capacity_tokens: int
     groups: tuple[GroupReport, ...]
+    block_size: int = 16
+    residual_bytes_per_seq: int = 0  # int4/int2: the open block each running sequence keeps in bf16
 
 
 def variant_configs(base: dict, window: int = 512, full_every: int = 6) -> dict[str, tuple[dict, str]]:
@@ -75,7 +78,12 @@ def variant_configs(base: dict, window: int = 512, full_every: int = 6) -> dict[
         f"hybrid (sliding {window}, 1 in {full_every} full)": ({**base, **hybrid}, "bf16"),
         "FP8 KV": ({**base}, "fp8_e4m3"),
         "INT8 KV": ({**base}, "int8"),
+        "INT4 KV": ({**base}, "int4"),
+        "INT2 KV": ({**base}, "int2"),
         "combined (MQA + share 2 + hybrid + FP8)": ({**base, **combined}, "fp8_e4m3"),
+        "hybrid + INT4": ({**base, **hybrid}, "int4"),
+        "hybrid + INT2": ({**base, **hybrid}, "int2"),
+        "combined (MQA + share 2 + hybrid + INT4)": ({**base, **combined}, "int4"),
     }
 
 
@@ -131,37 +139,49 @@ def has_static_kv_scales(path: str | Path) -> bool:
 
 
 def report_variant(name: str, config: dict, kv_dtype: str, budget_bytes: int, seq_len: int = 2048,
-                   block_size: int = 16, static_scales: bool = False) -> VariantReport:
-    """``static_scales``: quantized KV uses per-layer checkpoint scales (no per-token scale bytes),
+                   block_size: int | None = None, static_scales: bool = False) -> VariantReport:
+    """``block_size``: None for the engine's default for ``kv_dtype``. ``static_scales``: quantized KV uses per-layer checkpoint scales (no per-token scale bytes),
     as the engine does for a checkpoint with ``k_scale``/``v_scale``; no effect on unquantized KV."""
     layout = AttentionLayout.from_config(config)
     static = static_scales and kv_dtype in QUANT_DTYPES
+    block_size = block_size or default_block_size(kv_dtype)
     spec = KVCacheSpec.from_layout(layout, kv_dtype, block_size, static_scales=static)
     num_blocks = spec.plan_num_blocks(budget_bytes, seq_len)
     layer_scales = {i: (1.0, 1.0) for i in layout.cache_owners()} if static else None  # values do not matter here
-    cache = KVCache(spec, num_blocks, layer_scales=layer_scales)  # real allocation: the bytes below are counted from it
+    residual = 1 if any(g.bits for g in spec.groups) else 0  # counted apart: per running sequence, not per token
+    cache = KVCache(spec, num_blocks, layer_scales=layer_scales, residual_blocks=residual,
+                    residual_dtype=torch.bfloat16)  # real allocation: the bytes below are counted from it
     seqs, per_seq = measure_capacity(spec, num_blocks, seq_len)
-    dtype_bytes = torch.empty((), dtype=KV_DTYPES[kv_dtype]).element_size()
     groups = []
+    residual_bytes = sum(spec.residual_block_bytes(g, torch.bfloat16) for g in range(len(spec.groups)))
     for g, grp in enumerate(spec.groups):
-        nbytes = cache.group_nbytes(g)
+        nbytes = cache.group_nbytes(g) - residual * spec.residual_block_bytes(g, torch.bfloat16)
         slot_bytes = nbytes / (num_blocks[g] * block_size) if num_blocks[g] else 0.0
-        formula = _group_layout(layout, grp.layers).kv_bytes_per_token(seq_len, dtype_bytes, spec.scale_bytes(grp))
+        formula = _group_layout(layout, grp.layers).kv_bytes_per_token(seq_len, spec.element_bytes(g), spec.scale_bytes(grp))
         groups.append(GroupReport(grp.kind, grp.window, len(grp.layers), grp.num_kv_heads, kv_dtype,
                                   num_blocks[g], nbytes, formula, slot_bytes * per_seq[g] * block_size / seq_len))
-    scale_bytes = spec.scale_bytes(spec.groups[0])
     del cache
     return VariantReport(
         name=name,
         kv_dtype=kv_dtype,
-        kv_scales="per layer" if static else ("per token and head" if kv_dtype in QUANT_DTYPES else "none"),
-        formula_bytes_per_token=layout.kv_bytes_per_token(seq_len, dtype_bytes, scale_bytes),
+        kv_scales=_scales(spec, static),
+        formula_bytes_per_token=sum(g.formula_bytes_per_token for g in groups),
         counted_bytes_per_token=sum(g.counted_bytes_per_token for g in groups),
         allocated_bytes=sum(g.allocated_bytes for g in groups),
         capacity_seqs=seqs,
         capacity_tokens=seqs * seq_len,
         groups=tuple(groups),
+        block_size=block_size,
+        residual_bytes_per_seq=residual_bytes,
     )
+
+
+def _scales(spec: KVCacheSpec, static: bool) -> str:
+    if static:
+        return "per layer"
+    if any(g.bits for g in spec.groups):
+        return "K/channel, V/token"
+    return "per token and head" if spec.groups[0].quantized else "none"
 
 
 def format_table(reports: list[VariantReport], budget_bytes: int, seq_len: int) -> str:
@@ -187,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--budget-gib", type=float, default=1.0)
     ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=None, help="tokens per block (default: 16; int4/int2: 64)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     model_dir = resolve_model(args.model)
@@ -197,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     reports = [report_variant(name, cfg, dt, budget, args.seq_len, args.block_size, static)
                for name, (cfg, dt) in variant_configs(config).items()]
     print(format_table(reports, budget, args.seq_len))
+    for r in reports:
+        if r.residual_bytes_per_seq:
+            print(f"  {r.name}: blocks of {r.block_size} tokens; each running sequence also keeps its open block "
+                  f"in bf16 ({r.residual_bytes_per_seq / 1024:.0f} KiB, not in B/tok)")
     for r in reports:
         for g in r.groups:
             print(f"  {r.name}: {g.kind}{'' if g.window is None else f'/{g.window}'} x{g.num_layers} layers, "

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Sequence
+from functools import partial
+from typing import Callable, Sequence
 
 from runtime.cache.kv_cache import RELEASED
 
@@ -25,8 +26,9 @@ from runtime.cache.kv_cache import RELEASED
 class BlockPool:
     """Physical blocks of one cache group."""
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, on_free: Callable[[int], None] | None = None):
         self.num_blocks = num_blocks
+        self.on_free = on_free  # told each block whose last reference goes
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
@@ -57,6 +59,8 @@ class BlockPool:
         assert self.ref_counts[block] >= 0, f"block {block} released twice"
         if self.ref_counts[block] == 0:
             self.free_queue[block] = None
+            if self.on_free is not None:
+                self.on_free(block)
 
     def register(self, block: int, block_hash: int) -> None:
         """Index a full, computed block under its hash (first holder of a hash wins)."""
@@ -94,12 +98,15 @@ class BlockManager:
         block_size: int,
         windows: Sequence[int | None],
         enable_prefix_caching: bool = True,
+        on_free: Callable[[int, int], None] | None = None,
     ):
+        """``on_free(group, block)``: told each block that returns to its pool (the cache drops
+        state it keeps per block)."""
         if len(num_blocks) != len(windows):
             raise ValueError("one window (or None) per cache group")
         self.block_size = block_size
         self.windows = tuple(windows)
-        self.pools = [BlockPool(n) for n in num_blocks]
+        self.pools = [BlockPool(n, None if on_free is None else partial(on_free, g)) for g, n in enumerate(num_blocks)]
         self.prefix_caching = enable_prefix_caching and all(w is None for w in windows)
         self.tables: dict[int, list[list[int]]] = {}
         self._hashes: dict[int, list[int]] = {}  # hashes of each sequence's registered full blocks

@@ -31,6 +31,7 @@ from runtime.attention.paged import PagedBatch
 from runtime.attention.registry import DEFAULT_ATTENTION_BACKEND, make_attention_backend
 from runtime.cache.kv_cache import KVCache, KVCacheSpec
 from runtime.cache.kv_quant import QUANT_DTYPES
+from runtime.cache.low_bit_kv import default_block_size
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.sampling import (
     SamplingParams,
@@ -49,12 +50,12 @@ MIB = 1 << 20
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine knobs. ``kv_dtype``: fp32 | bf16 | fp16 | fp8_e4m3 | int8, or None for the model
+    """Engine knobs. ``kv_dtype``: fp32 | bf16 | fp16 | fp8_e4m3 | int8 | int4 | int2, or None for the model
     dtype (or the checkpoint's ``kv_cache_scheme``). ``kv_cache_bytes`` sizes the block pools."""
 
     dtype: str = "auto"  # activations: auto (runtime.model.layers.activation_dtype) | float32 | bfloat16 | float16
     kv_dtype: str | None = None
-    block_size: int = 16
+    block_size: int | None = None  # tokens per block; None: 16, or 64 for int4/int2 KV (default_block_size)
     kv_cache_bytes: int = 512 * MIB
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -117,7 +118,8 @@ class Engine:
         # Checkpoint scales are calibrated for the checkpoint's own KV dtype (max/448 for FP8,
         # max/127 for INT8): another quantized dtype chosen at serve time takes per-token scales.
         static = layer_scales is not None and kv_dtype in QUANT_DTYPES and kv_dtype == (kv_dtype_default or kv_dtype)
-        self.kv_spec = KVCacheSpec.from_layout(layout, kv_dtype, config.block_size, static_scales=static)
+        self.block_size = config.block_size or default_block_size(kv_dtype)
+        self.kv_spec = KVCacheSpec.from_layout(layout, kv_dtype, self.block_size, static_scales=static)
         self.max_model_len = config.max_model_len or min(spec.max_position_embeddings, 4096)
         num_blocks = self.kv_spec.plan_num_blocks(config.kv_cache_bytes, self.max_model_len)
         for g in range(len(self.kv_spec.groups)):
@@ -128,10 +130,14 @@ class Engine:
                     f"one sequence of max_model_len={self.max_model_len} needs {need}: raise kv_cache_bytes "
                     "or lower max_model_len"
                 )
-        self.cache = KVCache(self.kv_spec, num_blocks, layer_scales=layer_scales if static else None)
+        # Low-bit KV keeps each running sequence's open block exact: one residual block per
+        # sequence that can run, plus one for Engine.score.
+        self.cache = KVCache(self.kv_spec, num_blocks, layer_scales=layer_scales if static else None,
+                             residual_blocks=config.max_num_seqs + 1, residual_dtype=model.dtype)
         self.backend = make_attention_backend(
             config.attention_backend, self.cache, [spec.attention_params(i) for i in range(spec.num_layers)])
-        self.block_manager = BlockManager(num_blocks, config.block_size, self.kv_spec.windows, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, self.block_size, self.kv_spec.windows, config.enable_prefix_caching,
+                                          on_free=self.cache.release_block)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.block_manager
         )
@@ -146,8 +152,8 @@ class Engine:
     def sized_for(cls, model: Decoder, longest: int, num_seqs: int, **config) -> "Engine":
         """An engine whose paged cache holds ``num_seqs`` sequences of ``longest`` tokens, plus one
         spare; ``config``: further ``EngineConfig`` fields (KV dtype: the model's unless given)."""
-        kv_spec = KVCacheSpec.from_layout(model.spec.attention, config.get("kv_dtype") or MODEL_KV_DTYPES[model.dtype],
-                                          config.get("block_size", EngineConfig.block_size))
+        kv_dtype = config.get("kv_dtype") or MODEL_KV_DTYPES[model.dtype]
+        kv_spec = KVCacheSpec.from_layout(model.spec.attention, kv_dtype, config.get("block_size") or default_block_size(kv_dtype))
         chunk = config.get("max_num_batched_tokens", EngineConfig.max_num_batched_tokens)
         groups = range(len(kv_spec.groups))
         per_seq = [kv_spec.max_blocks_per_seq(g, longest) for g in groups]
@@ -229,7 +235,7 @@ class Engine:
             if s.first_position < s.seq.num_prompt_tokens:
                 self.stats.prompt_tokens_computed += min(s.num_new_tokens, s.seq.num_prompt_tokens - s.first_position)
         batch = PagedBatch.build(
-            self.config.block_size,
+            self.block_size,
             [s.first_position for s in sched],
             [s.num_new_tokens for s in sched],
             [self.block_manager.block_tables(s.seq.seq_id) for s in sched],
@@ -306,7 +312,7 @@ class Engine:
                 bm.release_window(sid, start)
                 if not bm.append(sid, start, start + n):
                     raise KvslimError("score: no free KV blocks (the engine is busy)")
-                batch = PagedBatch.build(self.config.block_size, [start], [n], [bm.block_tables(sid)])
+                batch = PagedBatch.build(self.block_size, [start], [n], [bm.block_tables(sid)])
                 self.backend.set_batch(batch)
                 hidden = self.model(torch.tensor(ids[start:start + n], dtype=torch.long), batch.positions, self.backend)
                 out.append(self.model.compute_logits(hidden))

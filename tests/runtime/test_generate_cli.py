@@ -47,6 +47,24 @@ def test_cli_generate_with_stats(tiny_with_tokenizer, capsys):
     assert "5 generated" in out
 
 
+def test_cli_generate_with_int4_kv(tiny_with_tokenizer, capsys):
+    rc = main(["generate", str(tiny_with_tokenizer), "Hello there", "--max-tokens", "5", "--stats",
+               "--kv-cache-dtype", "int4"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    # per token and KV head: 32 dims at 4 bits x 2 (16 + 16 B), K parameters 4 B x 32 / 64 tokens,
+    # V parameters 4 B: 38 B; x 2 KV heads x 4 layers = 304 B = 0.30 KiB
+    assert "kv cache: 0.30 KiB/token" in out and "(int4)" in out
+
+
+def test_bad_kv_cache_dtype_is_one_line_exit_2(tiny_with_tokenizer, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", str(tiny_with_tokenizer), "hi", "--kv-cache-dtype", "int3"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert "argument --kv-cache-dtype: invalid choice: 'int3'" in err
+
+
 @pytest.mark.parametrize("argv,message", [
     (["generate", "{ckpt}", ""], "prompt 0 is empty"),
     (["generate", "/no/such/dir", "hi"], "no such file or directory"),

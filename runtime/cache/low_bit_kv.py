@@ -1,0 +1,87 @@
+"""K and V at 4 or 2 bits, KIVI-style: asymmetric codes, keys per channel, values per token.
+
+Keys have outlier *channels* (a few head_dim coordinates large for every token), so a key block
+is quantized per channel over the block's tokens: ``scale, minimum [blocks, kv_heads, head_dim]``.
+Values have no such structure and are quantized per token and head: ``scale, minimum [..., kv_heads]``.
+A code ``c`` in ``[0, 2**bits - 1]`` stands for ``minimum + c * scale``; scales and minima are
+fp16. Codes are packed along head_dim, ``8 // bits`` to a byte (low bits first).
+"""
+from __future__ import annotations
+
+import torch
+
+LOW_BIT_KV: dict[str, int] = {"int4": 4, "int2": 2}  # KV dtype name -> bits
+PARAM_DTYPE = torch.float16
+PARAM_BYTES = 2
+_MIN_SCALE = 1e-6  # an all-equal channel or token gets a tiny scale, never a division by zero
+
+
+def default_block_size(kv_dtype: str) -> int:
+    """Tokens per block: 64 for int4/int2 KV (a key block's per-channel parameters cost 4 bytes
+    per channel and head, 4 bytes per token at head_dim 64 over 64 tokens; 16 at block 16), else 16."""
+    return 64 if kv_dtype in LOW_BIT_KV else 16
+
+
+def packed_dim(head_dim: int, bits: int) -> int:
+    """Bytes of one packed head_dim row."""
+    return head_dim * bits // 8
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes ``[..., D]`` (each < 2**bits) -> ``[..., D * bits / 8]`` uint8."""
+    per = 8 // bits
+    c = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per, per).to(torch.uint8)
+    out = c[..., 0]
+    for j in range(1, per):
+        out = out | (c[..., j] << (bits * j))
+    return out
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[..., D * bits / 8]`` uint8 -> uint8 codes ``[..., D]``."""
+    per, mask = 8 // bits, (1 << bits) - 1
+    parts = [(packed >> (bits * j)) & mask for j in range(per)]
+    return torch.stack(parts, dim=-1).flatten(-2)
+
+
+def _quantize(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    levels = (1 << bits) - 1
+    lo, hi = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
+    scale = ((hi - lo) / levels).clamp_min(_MIN_SCALE).to(PARAM_DTYPE)
+    lo = lo.to(PARAM_DTYPE)
+    # Codes from the fp16 parameters actually stored, so that dequantization inverts them.
+    codes = torch.round((x - lo.float()) / scale.float()).clamp_(0, levels).to(torch.uint8)
+    return pack(codes, bits), scale.squeeze(dim), lo.squeeze(dim)
+
+
+def quantize_key_blocks(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Full key blocks ``[n, block_size, kvh, D]`` -> (codes ``[n, block_size, kvh, D*bits/8]``,
+    scale, minimum ``[n, kvh, D]``), per channel over each block's tokens."""
+    return _quantize(x.float(), 1, bits)
+
+
+def quantize_value_rows(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Values ``[..., kvh, D]`` -> (codes ``[..., kvh, D*bits/8]``, scale, minimum ``[..., kvh]``)."""
+    return _quantize(x.float(), -1, bits)
+
+
+def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """Codes ``[..., block_size, kvh, Dp]`` with ``[..., kvh, D]`` parameters -> ``[..., block_size, kvh, D]``."""
+    c = unpack(codes, bits).to(dtype)
+    return c * scale.unsqueeze(-3).to(dtype) + lo.unsqueeze(-3).to(dtype)
+
+
+def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """Codes ``[..., kvh, Dp]`` with ``[..., kvh]`` parameters -> ``[..., kvh, D]``."""
+    c = unpack(codes, bits).to(dtype)
+    return c * scale.unsqueeze(-1).to(dtype) + lo.unsqueeze(-1).to(dtype)
+
+
+def bytes_per_token_head(head_dim: int, bits: int, block_size: int) -> float:
+    """Stored bytes per token and KV head, K and V, codes and parameters (no residual)."""
+    codes = 2 * packed_dim(head_dim, bits)
+    key_params = 2 * PARAM_BYTES * head_dim / block_size  # per channel, shared by the block's tokens
+    value_params = 2 * PARAM_BYTES
+    return codes + key_params + value_params

@@ -1,0 +1,89 @@
+"""One layer's 4- or 2-bit paged K/V (``low_bit_kv``), with the block being filled kept exact.
+
+A block's keys are quantized per channel over its tokens, so they can only be quantized once the
+block is full. Until then its rows live in a *residual* slot in the activation dtype (KIVI's
+full-precision window, which paging gives for free: at most one open block per sequence). The
+block whose last offset is written is quantized from its residual rows and its slot given back;
+a block freed while open gives its slot back through ``release`` (the block manager's free hook).
+Tokens of a sequence are written in position order, so offset 0 opens a block and offset
+``block_size - 1`` closes it.
+"""
+from __future__ import annotations
+
+import torch
+
+from foundation.errors import KvslimError
+from runtime.cache.low_bit_kv import (
+    dequantize_keys,
+    dequantize_values,
+    quantize_key_blocks,
+    quantize_value_rows,
+)
+
+
+class PackedLayerCache:
+    """Views of one layer slot's packed tensors plus its residual slots."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], bits: int, residual_dtype: torch.dtype):
+        self.k_codes, self.v_codes = tensors["k_codes"], tensors["v_codes"]
+        self.k_scale, self.k_min = tensors["k_scale"], tensors["k_min"]
+        self.v_scale, self.v_min = tensors["v_scale"], tensors["v_min"]
+        self.k_residual, self.v_residual = tensors["k_residual"], tensors["v_residual"]
+        self.bits = bits
+        self.block_size = self.k_codes.shape[1]
+        num_blocks, num_slots = self.k_codes.shape[0], self.k_residual.shape[0]
+        self.residual_dtype = residual_dtype
+        self.slot_of = torch.full((num_blocks,), -1, dtype=torch.long, device=self.k_codes.device)
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def open_blocks(self) -> int:
+        return int((self.slot_of >= 0).sum())
+
+    def _open(self, block: int) -> int:
+        slot = int(self.slot_of[block])
+        if slot < 0:
+            if not self._free:
+                raise KvslimError(f"all {self.k_residual.shape[0]} full-precision residual blocks are in use "
+                                  "(more open blocks than running sequences)")
+            slot = self._free.pop()
+            self.slot_of[block] = slot
+        return slot
+
+    def release(self, block: int) -> None:
+        """Give back ``block``'s residual slot, if it holds one (the block was freed while open)."""
+        slot = int(self.slot_of[block])
+        if slot >= 0:
+            self.slot_of[block] = -1
+            self._free.append(slot)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store new rows ``[T, kvh, D]`` at ``slots [T]``; quantize every block this write fills."""
+        bs = self.block_size
+        blocks, offsets = slots // bs, slots % bs
+        touched = blocks.unique().tolist()
+        residual = torch.tensor([self._open(b) for b in touched], dtype=torch.long, device=slots.device)
+        index = residual[torch.searchsorted(torch.tensor(touched, device=slots.device), blocks)]
+        self.k_residual[index, offsets] = k.to(self.residual_dtype)
+        self.v_residual[index, offsets] = v.to(self.residual_dtype)
+        full = blocks[offsets == bs - 1].unique()
+        if full.numel():
+            rows = self.slot_of[full]
+            self.k_codes[full], self.k_scale[full], self.k_min[full] = quantize_key_blocks(self.k_residual[rows], self.bits)
+            self.v_codes[full], self.v_scale[full], self.v_min[full] = quantize_value_rows(self.v_residual[rows], self.bits)
+            for b in full.tolist():
+                self.release(b)
+
+    def gather(self, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of ``blocks [..., nb]`` -> ``[..., nb * block_size, kvh, D]`` in ``dtype``: open blocks
+        from their residual rows, the rest dequantized."""
+        flat = blocks.reshape(-1)
+        k = dequantize_keys(self.k_codes[flat], self.k_scale[flat], self.k_min[flat], self.bits, dtype)
+        v = dequantize_values(self.v_codes[flat], self.v_scale[flat], self.v_min[flat], self.bits, dtype)
+        slot = self.slot_of[flat]
+        open_ = slot >= 0
+        if bool(open_.any()):
+            k[open_] = self.k_residual[slot[open_]].to(dtype)
+            v[open_] = self.v_residual[slot[open_]].to(dtype)
+        shape = (*blocks.shape[:-1], -1, *k.shape[2:])
+        return k.reshape(shape), v.reshape(shape)

@@ -1,0 +1,127 @@
+"""int4 / int2 KV: codes and parameters, the open block kept exact, and the engine around them."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime.cache.kv_cache import KVCache, KVCacheSpec
+from runtime.cache.low_bit_kv import (
+    bytes_per_token_head,
+    dequantize_keys,
+    dequantize_values,
+    pack,
+    quantize_key_blocks,
+    quantize_value_rows,
+    unpack,
+)
+from runtime.engine.engine import Engine, EngineConfig
+from runtime.engine.sampling import SamplingParams
+from runtime.model.loader import load_model
+
+FP16_EPS = 2**-10  # relative rounding of the fp16 minimum
+TIE = 1e-2  # logprob gap under which two greedy choices may swap when batches differ
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_pack_round_trips(bits):
+    codes = torch.randint(0, 1 << bits, (3, 5, 64), dtype=torch.uint8)
+    assert pack(codes, bits).shape == (3, 5, 64 * bits // 8)
+    assert torch.equal(unpack(pack(codes, bits), bits), codes)
+
+
+def _bound(x: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    return scale.float() / 2 + lo.float().abs() * FP16_EPS + x.abs() * 1e-6 + 1e-6
+
+
+@settings(max_examples=40, deadline=None)
+@given(bits=st.sampled_from([4, 2]), blocks=st.integers(1, 3), kvh=st.integers(1, 3),
+       kind=st.sampled_from(["normal", "outlier_channel", "all_equal", "zeros"]), seed=st.integers(0, 2**16))
+def test_round_trip_error_is_half_a_step(bits, blocks, kvh, kind, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(blocks, 16, kvh, 32, generator=g)
+    if kind == "outlier_channel":
+        x[..., 3] *= 50.0
+    elif kind == "all_equal":
+        x[:] = 0.37
+    elif kind == "zeros":
+        x.zero_()
+    codes, scale, lo = quantize_key_blocks(x, bits)
+    keys = dequantize_keys(codes, scale, lo, bits, torch.float32)
+    assert ((keys - x).abs() <= _bound(x, scale.unsqueeze(1), lo.unsqueeze(1))).all()
+    codes, scale, lo = quantize_value_rows(x, bits)
+    values = dequantize_values(codes, scale, lo, bits, torch.float32)
+    assert ((values - x).abs() <= _bound(x, scale.unsqueeze(-1), lo.unsqueeze(-1))).all()
+    if kind in ("all_equal", "zeros"):  # one level: the value itself, as fp16 stores it
+        assert torch.equal(keys, x.half().float()) and torch.equal(values, x.half().float())
+
+
+def _cache(tiny_llama, kv_dtype: str, block_size: int = 8) -> KVCache:
+    from foundation.attention_layout import AttentionLayout
+    from foundation.checkpoint import Checkpoint
+
+    layout = AttentionLayout.from_config(Checkpoint.open(tiny_llama).config)
+    return KVCache(KVCacheSpec.from_layout(layout, kv_dtype, block_size), (6,), residual_blocks=2)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int4", "int2"])
+def test_open_block_is_exact_until_it_fills(tiny_llama, kv_dtype):
+    cache = _cache(tiny_llama, kv_dtype)
+    layer = cache.layers[0]
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(8, 2, 32, generator=g), torch.randn(8, 2, 32, generator=g)
+    block = torch.tensor([3])
+    cache.write(0, k[:7], v[:7], torch.arange(24, 31))  # block 3, offsets 0..6: still open
+    assert layer.open_blocks == 1
+    kk, vv = cache.gather(0, block, torch.float32)
+    assert torch.equal(kk[:7], k[:7]) and torch.equal(vv[:7], v[:7])
+    cache.write(0, k[7:], v[7:], torch.tensor([31]))  # the last offset: quantized in place now
+    assert layer.open_blocks == 0
+    kk, vv = cache.gather(0, block, torch.float32)
+    assert not torch.equal(kk, k) and (kk - k).abs().max() < (k.abs().max() * 2)
+    codes, scale, lo = quantize_key_blocks(k[None], 4 if kv_dtype == "int4" else 2)
+    assert torch.equal(cache.tensors[0]["k_codes"][0, 3], codes[0])
+
+
+def test_freed_open_block_gives_its_residual_back(tiny_llama):
+    cache = _cache(tiny_llama, "int4")
+    k = torch.randn(3, 2, 32)
+    cache.write(0, k, k, torch.tensor([0, 1, 2]))  # block 0 open
+    cache.write(0, k, k, torch.tensor([8, 9, 10]))  # block 1 open: both residual blocks in use
+    assert cache.layers[0].open_blocks == 2
+    cache.release_block(0, 0)
+    cache.write(0, k, k, torch.tensor([16, 17, 18]))  # a third open block fits again
+    assert cache.layers[0].open_blocks == 2
+
+
+def test_bytes_per_token(tiny_llama):
+    # SmolLM2's head_dim 64 at block 64: int4 72 B per token and head (3.56x smaller than bf16's
+    # 256), int2 40 B (6.4x), codes and parameters included.
+    assert bytes_per_token_head(64, 4, 64) == 72 and bytes_per_token_head(64, 2, 64) == 40
+    cache = _cache(tiny_llama, "int4", block_size=8)
+    spec = cache.spec
+    per_block = spec.block_bytes(0)
+    assert cache.group_nbytes(0) == 6 * per_block + 2 * spec.residual_block_bytes(0, torch.float32)
+
+
+def test_engine_prefix_hits_and_preemption_with_int4(tiny_llama):
+    model = load_model(tiny_llama, "float32")
+    system = torch.arange(100, 140).tolist()  # 40 shared tokens: 5 full blocks of 8
+    g = torch.Generator().manual_seed(3)
+    ps = [system + torch.randint(3, 500, (int(n),), generator=g).tolist() for n in torch.randint(1, 20, (12,), generator=g)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+    config = dict(kv_dtype="int4", block_size=8, max_num_batched_tokens=64, max_model_len=96)
+    roomy = Engine(model, EngineConfig(kv_cache_bytes=8 << 20, enable_prefix_caching=False, **config))
+    ref = roomy.generate(ps, params)
+    tight = Engine(model, EngineConfig(kv_cache_bytes=16 * roomy.kv_spec.block_bytes(0), **config))
+    assert tight.cache.num_blocks == (16,)
+    out = tight.generate(ps, params)
+    assert tight.stats.preemptions > 0 and tight.block_manager.prefix_hit_rate > 0.3
+    assert [len(o.token_ids) for o in out] == [8] * len(ps)
+    for o, r in zip(out, ref):  # the same tokens, up to a near-tie (batches differ: summation order)
+        for t, (a, b) in enumerate(zip(o.token_ids, r.token_ids)):
+            if a != b:
+                top = r.logprobs[t].top
+                assert top[0][1] - top[1][1] < TIE, f"tokens differ at {t} without a near-tie"
+                break
+    assert tight.block_manager.pools[0].num_free == 16
+    assert all(layer.open_blocks == 0 for layer in tight.cache.packed[0])
