@@ -17,13 +17,14 @@ import time
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from tqdm import tqdm
 
 from compress.algorithms import WeightQuantizer
 from compress.algorithms.rtn import RTN
+from compress.quantize_options import DEFAULT_IGNORE
 from compress.summary import TensorStat, tensor_kind
 from foundation.architecture import PROJECTIONS, model_type_of
 from foundation.atomic import atomic_output_dir, check_output_dir
@@ -38,7 +39,6 @@ from foundation.tensor_shapes import (
     no_quantization,
 )
 
-DEFAULT_IGNORE = ("lm_head",)
 # A pending shard is held in memory until it is written, so the shard size bounds the writer's
 # share of peak memory: 7B INT4 GPTQ peaks at 1.92 GiB with 256 MiB shards
 # (benchmarks/quant_streaming_memory.py, BENCHMARKS.md).
@@ -162,21 +162,33 @@ def quantize_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     dtype: torch.dtype | None = None,
     finish: Callable[[Path], None] | None = None,
+    linears: Sequence[str] | None = None,
 ) -> QuantizeResult:
     """Quantize ``source`` (an HF checkpoint directory) into ``out`` (written atomically);
     ``dtype`` casts every floating-point tensor first (default: keep the source's). ``finish``
-    runs on the complete output directory before it is published (e.g. scale tuning)."""
+    runs on the complete output directory before it is published (e.g. scale tuning).
+
+    ``linears``: what ``plan_linears`` already chose for ``source`` (then the ``Checkpoint`` that
+    ``open_source`` returned, or a reading of it such as a ``SmoothedCheckpoint``) with this
+    ``scheme`` and ``ignore``, ``out`` having passed ``check_output_dir``: none of that runs again.
+    Without it the output is checked, the source opened and the Linears planned here."""
     if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise KvslimError(f"output dtype {dtype}: expected bfloat16, float16 or float32")
     quantizer = quantizer or RTN()
     start = time.perf_counter()
     out = Path(out)
-    check_output_dir(out.expanduser().resolve(), force)
-    ckpt = open_source(source)
     ignore = tuple(dict.fromkeys(ignore))
-    targets = set(plan_linears(ckpt, scheme, ignore))
+    if linears is None:
+        check_output_dir(out.expanduser().resolve(), force)
+        ckpt = open_source(source)
+        linears = plan_linears(ckpt, scheme, ignore)
+    elif isinstance(source, Checkpoint):
+        ckpt = source
+    else:
+        raise TypeError("planned linears come with the opened Checkpoint they were planned on")
+    targets = set(linears)
     stats: list[TensorStat] = []
-    with atomic_output_dir(out, force=force) as tmp:
+    with atomic_output_dir(out, force=force, checked=True) as tmp:
         writer = ShardWriter(tmp, max_shard_bytes=max_shard_bytes)
         groups = _ordered(ckpt, targets)
         bar = tqdm(groups, desc=f"quantize {scheme.name}", unit="layer", disable=not progress)

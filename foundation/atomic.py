@@ -44,15 +44,16 @@ def sweep_stale_temp_dirs(out: Path) -> list[Path]:
 
 
 @contextlib.contextmanager
-def atomic_output_dir(out: str | os.PathLike[str], force: bool = False) -> Iterator[Path]:
+def atomic_output_dir(out: str | os.PathLike[str], force: bool = False, checked: bool = False) -> Iterator[Path]:
     """Yield a temp directory next to ``out``; on success rename it to ``out``.
 
     On any exception the temp directory is removed and ``out`` is left as it was, so a failed
     run never leaves a half-written checkpoint behind; what a killed run left is swept by the
-    next write to the same ``out``.
+    next write to the same ``out``. ``checked``: the caller already ran ``check_output_dir``.
     """
     out = Path(out).expanduser().resolve()
-    check_output_dir(out, force)
+    if not checked:
+        check_output_dir(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     sweep_stale_temp_dirs(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
