@@ -13,25 +13,20 @@ from pathlib import Path
 import torch
 
 from attention_variants import gqa, kv_sharing, sliding
-from attention_variants.calibration import (
-    DEFAULT_NUM_SEQS,
-    DEFAULT_SEQ_LEN,
-    AttentionInputs,
-    calibration_batches,
-    capture_attention_inputs,
-)
-from attention_variants.modeling_files import (
-    CAUSAL_LM_CLASSES,
-    auto_map_for,
-    write_modeling_file,
-)
+from attention_variants.attention_inputs import AttentionInputs, capture_attention_inputs
+from attention_variants.modeling_files import CAUSAL_LM_CLASSES, auto_map_for, write_modeling_file
 from foundation.architecture import model_type_of
 from foundation.atomic import atomic_output_dir, check_output_dir
 from foundation.attention_layout import KV_SOURCE_KEY, AttentionLayout
+from foundation.calibration import CalibrationSpec, calibration_ids
 from foundation.checkpoint import Checkpoint, ShardWriter, write_config
 from foundation.errors import KvslimError, UnsupportedArchitecture
+from foundation.texts import DEFAULT_CALIB
 
 NATIVE_HYBRID = ("qwen2", "qwen3", "gemma3_text")  # transformers honours layer_types for these
+# Calibration windows: the rewrites fit on every layer's attention inputs, held in memory at once.
+DEFAULT_CALIB_SEQS = 2
+DEFAULT_CALIB_SEQ_LEN = 1024
 
 
 @dataclass(frozen=True)
@@ -47,8 +42,8 @@ class ConvertSpec:
     global_select: sliding.GlobalSelect = "fixed"
     merge: gqa.MergeMethod = "calib"  # GQA merge, and whether KV-sharing readers get fitted maps
     calib: str | None = None  # named text range or file (default wikipedia:calib)
-    calib_seqs: int = DEFAULT_NUM_SEQS
-    calib_seq_len: int = DEFAULT_SEQ_LEN
+    calib_seqs: int = DEFAULT_CALIB_SEQS
+    calib_seq_len: int = DEFAULT_CALIB_SEQ_LEN
 
     def describe(self) -> str:
         parts = []
@@ -67,6 +62,12 @@ class ConvertSpec:
     def needs_calibration(self) -> bool:
         fitted = self.merge == "calib" and (self.kv_heads is not None or self.kv_share is not None)
         return fitted or self.kv_share_select == "calib" or self.global_select == "calib"
+
+    @property
+    def calibration(self) -> CalibrationSpec:
+        """The calibration text and windows the rewrites fit on."""
+        return CalibrationSpec(source=self.calib or DEFAULT_CALIB, num_samples=self.calib_seqs,
+                               seq_len=self.calib_seq_len)
 
 
 @dataclass(frozen=True)
@@ -129,15 +130,15 @@ def validate(spec: ConvertSpec, config: dict) -> AttentionLayout:
 
 def calibrate(ckpt: Checkpoint, spec: ConvertSpec) -> AttentionInputs:
     """Capture the original model's attention inputs (and far attention mass, if needed)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     window = spec.sliding_window if spec.global_select == "calib" else None
+    calibration = spec.calibration
+    ids = calibration_ids(ckpt.path, calibration)
     model = AutoModelForCausalLM.from_pretrained(
         ckpt.path, dtype=torch.float32, attn_implementation="eager" if window else "sdpa"
     ).eval()
-    tokenizer = AutoTokenizer.from_pretrained(ckpt.path)
-    name, ids = calibration_batches(tokenizer, spec.calib, spec.calib_seqs, spec.calib_seq_len)
-    return capture_attention_inputs(model, ids, name, window=window)
+    return capture_attention_inputs(model, ids, calibration.source, window=window)
 
 
 def rewrite(

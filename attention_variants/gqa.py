@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from attention_variants.calibration import AttentionInputs
+from attention_variants.attention_inputs import AttentionInputs
 from attention_variants.projections import (
     augmented,
     complex_pairs,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from attention_variants.calibration import AttentionInputs
+from attention_variants.attention_inputs import AttentionInputs
 from foundation.attention_layout import FULL, SLIDING
 
 GlobalSelect = Literal["fixed", "calib"]

@@ -43,29 +43,22 @@ def main() -> int:
     args = parser.parse_args()
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(2)
-    from attention_variants.calibration import (
-        calibration_batches,
-        capture_attention_inputs,
-    )
+    from attention_variants.attention_inputs import capture_attention_inputs
     from attention_variants.convert import ConvertSpec, convert
-    from attention_variants.summary import (
-        BF16,
-        EVAL_CONTEXT,
-        EVAL_STRIDE,
-        eval_perplexity,
-    )
+    from attention_variants.summary import BF16, EVAL_CONTEXT, EVAL_STRIDE, eval_perplexity
     from foundation.attention_layout import AttentionLayout
+    from foundation.calibration import calibration_ids
     from foundation.checkpoint import Checkpoint
     from foundation.model_source import resolve_model
 
     source = resolve_model(args.model)
     t0 = time.time()
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, attn_implementation="eager").eval()
-    name, ids = calibration_batches(AutoTokenizer.from_pretrained(source), None, 2, 1024)
-    calib = capture_attention_inputs(model, ids, name, window=WINDOW)
+    calibration = ConvertSpec().calibration
+    calib = capture_attention_inputs(model, calibration_ids(source, calibration), calibration.source, window=WINDOW)
     del model
     calib_s = time.time() - t0
     print(f"calibration: {calib.describe()} in {calib_s:.0f} s", flush=True)

@@ -61,10 +61,11 @@ def main() -> int:
 
 def calibrated_kv_scales(path, num_samples: int) -> dict[int, tuple[float, float]]:
     """Per-layer ``(k_scale, v_scale)`` exactly as ``compress quantize --kv-cache-fp8`` writes them."""
-    from compress.calibration import CalibrationSpec, calibration_ids
+    from compress.quantize_options import DEFAULT_CALIB_SEQ_LEN
     from compress.sequential_quantizer import windows_quantizer
+    from foundation.calibration import CalibrationSpec, calibration_ids
 
-    ids = calibration_ids(path, CalibrationSpec(num_samples=num_samples))
+    ids = calibration_ids(path, CalibrationSpec(num_samples=num_samples, seq_len=DEFAULT_CALIB_SEQ_LEN))
     tensors = windows_quantizer(path, "rtn", ids, kv_cache_fp8=True).finish()
     layers = sorted({int(n.split(".")[2]) for n in tensors})
     return {i: (float(tensors[f"model.layers.{i}.self_attn.k_scale"]), float(tensors[f"model.layers.{i}.self_attn.v_scale"]))

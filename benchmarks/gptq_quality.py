@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 
 from compress.algorithms.gptq import GPTQOptions, with_act_order
-from compress.calibration import CalibrationSpec
 from compress.quantize import quantize_checkpoint
 from compress.sequential_quantizer import calibrated_quantizer
+from foundation.calibration import CalibrationSpec, calibration_ids
 from foundation.model_source import resolve_model
 from foundation.perplexity import (
     DEFAULT_CONTEXT,
@@ -127,7 +127,6 @@ def run_variant(name: str, src: Path, ids: torch.Tensor, work: Path, calib: Cali
         quantizer = calibrated_quantizer(src, "gptq", calib, options, activations=scheme.input_activations)
     finish = None
     if name in TUNE_STEPS:
-        from compress.calibration import calibration_ids
         from compress.scale_tuning import ScaleTuningSpec, tune_scales
 
         def finish(tmp: Path) -> None:
@@ -162,7 +161,7 @@ def main() -> None:
 
     src = resolve_model("smollm2")
     ids = tokenize_range(AutoTokenizer.from_pretrained(src), TEXT, max_tokens=args.max_tokens)
-    calib = CalibrationSpec(CALIB, args.samples, args.seq_len)
+    calib = CalibrationSpec(source=CALIB, num_samples=args.samples, seq_len=args.seq_len)
     wanted = args.only.split(",") if args.only else ["original", *VARIANTS, FP8_ACTIVATIONS_ONLY]
     rows: dict[str, dict] = json.loads(args.out.read_text())["rows"] if args.out.is_file() and args.only else {}
     with tempfile.TemporaryDirectory(prefix="kvslim-gq-") as work:

@@ -56,13 +56,11 @@ def main() -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(2)
-    from attention_variants.calibration import (
-        calibration_batches,
-        capture_attention_inputs,
-    )
+    from attention_variants.attention_inputs import capture_attention_inputs
     from attention_variants.convert import ConvertSpec, convert
     from attention_variants.heal import HealSpec, heal
     from attention_variants.summary import load_for_eval
+    from foundation.calibration import calibration_ids
     from foundation.model_source import resolve_model
     from foundation.perplexity import hf_logits_fn, perplexity, tokenize_range
 
@@ -84,8 +82,8 @@ def main() -> int:
         return dict(ppl=ppl(model), task=task_score(model))
 
     original = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    name, calib_ids = calibration_batches(tokenizer, None, 2, 1024)
-    calib = capture_attention_inputs(original, calib_ids, name)
+    calibration = ConvertSpec().calibration
+    calib = capture_attention_inputs(original, calibration_ids(source, calibration), calibration.source)
     teacher = measure(original)
     del original
     print(f"original: ppl {teacher['ppl']:.3f}, {args.task} {teacher['task']:.3f}", flush=True)

@@ -93,12 +93,13 @@ def main() -> int:
         CompressedTensorsConfig,
     )
 
-    from compress.calibration import CalibrationSpec, calibration_ids
+    from compress.quantize_options import DEFAULT_CALIB_SEQ_LEN, DEFAULT_CALIB_WINDOWS
+    from foundation.calibration import CalibrationSpec, calibration_ids
     from foundation.model_source import resolve_model
     from foundation.perplexity import hf_logits_fn, perplexity, tokenize_range
 
     src = resolve_model("smollm2")
-    calib = CalibrationSpec()
+    calib = CalibrationSpec(num_samples=DEFAULT_CALIB_WINDOWS, seq_len=DEFAULT_CALIB_SEQ_LEN)
     calib_ids = calibration_ids(src, calib)
     dev, dev_name = dev_slice(src, calib.num_samples, args.dev_tokens)
     eval_ids = tokenize_range(AutoTokenizer.from_pretrained(src), "wikipedia:eval", max_tokens=args.eval_tokens)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from foundation.calibration import CalibrationSpec
 from foundation.texts import DEFAULT_CALIB
 
 QuantKind = Literal["fp8", "fp8-weight-only", "w8a8", "int8", "int4"]
@@ -58,10 +59,8 @@ class QuantizeOptions:
         return [f for f, v in (("--calib", self.calib), ("--num-calib-samples", self.num_calib_samples),
                                ("--calib-seq-len", self.calib_seq_len)) if v is not None]
 
-    def calibration(self):
-        """The calibration text and windows asked for (a ``CalibrationSpec``), defaults filled in."""
-        from compress.calibration import CalibrationSpec
-
+    def calibration(self) -> CalibrationSpec:
+        """The calibration text and windows asked for, defaults filled in."""
         return CalibrationSpec(
             source=self.calib or DEFAULT_CALIB,
             num_samples=DEFAULT_CALIB_WINDOWS if self.num_calib_samples is None else self.num_calib_samples,

@@ -14,12 +14,12 @@ from pathlib import Path
 import torch
 
 from compress.algorithms.gptq import GPTQOptions, default_options, with_act_order
-from compress.calibration import CalibrationSpec, calibration_ids, check_ids_in_vocab
 from compress.quantize import QuantizeResult, open_source, plan_linears, quantize_checkpoint
 from compress.quantize_options import DEFAULT_IGNORE, QuantizeOptions
 from compress.scale_tuning import ScaleTuningSpec, check_tunable
 from compress.smoothing_spec import SmoothingSpec
 from foundation.atomic import check_output_dir
+from foundation.calibration import CalibrationSpec, CalibrationTextTooShort, calibration_ids, check_ids_in_vocab
 from foundation.checkpoint import Checkpoint
 from foundation.errors import KvslimError
 from foundation.model_source import resolve_model
@@ -174,6 +174,9 @@ def _output_dtype(name: str | None) -> torch.dtype | None:
 
 def _windows(checkpoint: Checkpoint, calibration: CalibrationSpec) -> torch.Tensor:
     """The calibration windows, tokenized once for every calibrated pass."""
-    ids = calibration_ids(checkpoint.path, calibration)
+    try:
+        ids = calibration_ids(checkpoint.path, calibration)
+    except CalibrationTextTooShort as e:
+        raise KvslimError(f"{e} (lower --num-calib-samples or --calib-seq-len)") from None
     check_ids_in_vocab(ids, checkpoint.config, checkpoint.path)
     return ids

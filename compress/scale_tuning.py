@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn.utils import parametrize
 
-from compress.calibration import check_ids_in_vocab
+from foundation.calibration import check_ids_in_vocab
 from foundation.checkpoint import Checkpoint
 from foundation.errors import KvslimError
 from foundation.primitives import decode_linear, dequantize

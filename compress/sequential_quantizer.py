@@ -8,6 +8,7 @@ import torch
 from compress.decoder_stack import LazyDecoderStack, layer_of_module
 from compress.layer_stream import LayerStream
 from foundation.activation_quant import activation_fake_quantizer
+from foundation.calibration import calibration_ids, check_ids_in_vocab
 from foundation.checkpoint import Checkpoint
 from foundation.errors import KvslimError
 from foundation.schemes import ActivationQuant, QuantScheme
@@ -142,8 +143,6 @@ def calibrated_quantizer(
 
     ``activations``: the scheme's ``ActivationQuant`` (FP8_DYNAMIC, W8A8), applied to every
     Linear's input during calibration as the runtime applies it when serving."""
-    from compress.calibration import calibration_ids
-
     calib.check()
     ids = calibration_ids(Checkpoint.open(source).path, calib)
     return windows_quantizer(source, method, ids, options, kv_cache_fp8, batch_tokens, activations)
@@ -154,7 +153,6 @@ def windows_quantizer(
     batch_tokens: int = 2048, activations: ActivationQuant | None = None,
 ) -> SequentialQuantizer:
     """``calibrated_quantizer`` on token windows ``ids [num_samples, seq_len]`` already cut."""
-    from compress.calibration import check_ids_in_vocab
     from compress.kv_scales import KVScaleObserver
 
     ckpt = source if isinstance(source, Checkpoint) else Checkpoint.open(source)

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from attention_variants.calibration import AttentionInputs, capture_attention_inputs
+from attention_variants.attention_inputs import AttentionInputs, capture_attention_inputs
 from attention_variants.convert import ConvertSpec, convert
 from attention_variants.summary import load_for_eval
 

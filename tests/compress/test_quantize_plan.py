@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-import compress.calibration as calibration
 import compress.quantize as quantize
 import compress.quantize_plan as quantize_plan
 import foundation.atomic as atomic
+import foundation.calibration as calibration
 from cli.main import main
 from compress.quantize_options import QuantizeOptions
 from compress.quantize_plan import plan_quantization, run_plan

@@ -1,22 +1,17 @@
-"""Calibration for the calibrated rewrites: each layer's attention input on real text.
+"""Each decoder layer's attention input on calibration text: what the calibrated rewrites fit on.
 
 The input of layer ``l``'s attention is the output of its ``input_layernorm``; every calibrated
 rewrite (GQA merges, KV-sharing selection and refits, choosing global layers) is a function of
-these captured activations and the original weights. Text comes from ``wikipedia:calib`` by
-default (disjoint from healing and evaluation text) or from a plain-text file.
+these captured activations and the original weights. The token windows come from
+``foundation.calibration``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from foundation.errors import KvslimError
-from foundation.texts import DEFAULT_CALIB, RANGES, load_text
-
-DEFAULT_SEQ_LEN = 1024
-DEFAULT_NUM_SEQS = 2
 
 
 @dataclass(frozen=True)
@@ -48,32 +43,6 @@ class AttentionInputs:
 
     def describe(self) -> str:
         return f"{self.num_seqs} x {self.seq_len} tokens of {self.text}"
-
-
-def calibration_text(text_or_file: str | None) -> tuple[str, str]:
-    """``(name, text)`` for a named range (default ``wikipedia:calib``) or a UTF-8 text file."""
-    name = text_or_file or DEFAULT_CALIB
-    if name in RANGES:
-        if RANGES[name].role != "calib":
-            raise KvslimError(f"--calib {name}: calibration must not use {RANGES[name].role} text; use {DEFAULT_CALIB}")
-        return name, load_text(name)
-    path = Path(name).expanduser()
-    if not path.is_file():
-        raise KvslimError(f"--calib {name}: neither a known text range ({', '.join(RANGES)}) nor a file")
-    try:
-        return str(path), path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise KvslimError(f"--calib {name}: not a UTF-8 text file") from None
-
-
-def calibration_batches(tokenizer, text_or_file: str | None, num_seqs: int, seq_len: int) -> tuple[str, torch.Tensor]:
-    """``(name, ids [num_seqs, seq_len])`` of consecutive calibration tokens."""
-    name, text = calibration_text(text_or_file)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    need = num_seqs * seq_len
-    if len(ids) < need:
-        raise KvslimError(f"--calib {name}: {len(ids)} tokens, calibration needs {need} ({num_seqs} x {seq_len})")
-    return name, torch.tensor(ids[:need], dtype=torch.long).view(num_seqs, seq_len)
 
 
 def _far_mass(attn: torch.Tensor, window: int) -> float:

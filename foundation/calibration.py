@@ -1,30 +1,35 @@
-"""Calibration text -> token batches for GPTQ Hessians and KV-cache scales.
+"""Calibration text -> token windows, for every calibrated pass (quantization, attention rewrites).
 
-The text is a named range (default ``wikipedia:calib``, disjoint from every evaluation range) or a
-user's UTF-8 text file. It is tokenized once, without special tokens, and cut into
-``num_samples`` consecutive, non-overlapping windows of ``seq_len`` tokens.
+The text is a named calib range (default ``wikipedia:calib``, disjoint from every healing and
+evaluation range) or a user's UTF-8 text file. It is tokenized once with the model's own
+tokenizer, without special tokens, and cut into ``num_samples`` consecutive, non-overlapping
+windows of ``seq_len`` tokens. How many windows of how many tokens is each user's own default
+(``compress.quantize_options``, ``attention_variants.convert``). Torch-free until windows are cut.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from foundation.errors import KvslimError
+from foundation.texts import DEFAULT_CALIB, RANGES, load_text
 
-DEFAULT_CALIB_TEXT = "wikipedia:calib"
-DEFAULT_NUM_SAMPLES = 64
-DEFAULT_SEQ_LEN = 512
+if TYPE_CHECKING:
+    import torch
 
 
-@dataclass(frozen=True)
+class CalibrationTextTooShort(KvslimError):
+    """The calibration text has fewer tokens than the windows asked for."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class CalibrationSpec:
     """Where calibration text comes from and how much of it to use."""
 
-    source: str = DEFAULT_CALIB_TEXT  # a named range (``corpus:calib``) or a text file path
-    num_samples: int = DEFAULT_NUM_SAMPLES
-    seq_len: int = DEFAULT_SEQ_LEN
+    source: str = DEFAULT_CALIB  # a named range (``corpus:calib``) or a text file path
+    num_samples: int
+    seq_len: int
 
     def __post_init__(self) -> None:
         if self.num_samples <= 0:
@@ -34,9 +39,11 @@ class CalibrationSpec:
 
     @property
     def is_named_range(self) -> bool:
-        from foundation.texts import RANGES
-
         return self.source in RANGES
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_samples * self.seq_len
 
     def describe(self) -> str:
         return f"{self.num_samples} x {self.seq_len} tokens of {self.source}"
@@ -44,24 +51,19 @@ class CalibrationSpec:
     def check(self) -> None:
         """Validate the source before anything heavy runs (bad range role, missing file)."""
         if self.is_named_range:
-            from foundation.texts import text_range
-
-            role = text_range(self.source).role
+            role = RANGES[self.source].role
             if role != "calib":
                 raise KvslimError(
                     f"--calib {self.source} is a {role} range; calibration must use a calib range "
-                    "(e.g. wikipedia:calib) so evaluation text stays held out"
+                    f"(e.g. {DEFAULT_CALIB}) so evaluation text stays held out"
                 )
             return
-        path = Path(self.source).expanduser()
-        if not path.is_file():
-            raise KvslimError(f"calibration file {self.source} not found (pass a text file or a range such as {DEFAULT_CALIB_TEXT})")
+        if not Path(self.source).expanduser().is_file():
+            raise KvslimError(f"calibration file {self.source} not found (pass a text file or a range such as {DEFAULT_CALIB})")
 
     def load_text(self) -> str:
         self.check()
         if self.is_named_range:
-            from foundation.texts import load_text
-
             return load_text(self.source)
         try:
             return Path(self.source).expanduser().read_text(encoding="utf-8")
@@ -75,20 +77,21 @@ def load_tokenizer(model_dir: str | Path):
 
     model_dir = Path(model_dir)
     if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        raise KvslimError(f"{model_dir} has no tokenizer files; calibration (--method gptq, --kv-cache-fp8) needs one")
+        raise KvslimError(f"{model_dir} has no tokenizer files; calibration needs one")
     return AutoTokenizer.from_pretrained(model_dir)
 
 
 def token_windows(ids: torch.Tensor | list[int], spec: CalibrationSpec) -> torch.Tensor:
     """Cut a token stream into ``[num_samples, seq_len]`` consecutive windows."""
+    import torch
+
     ids = torch.as_tensor(ids, dtype=torch.long).flatten()
-    needed = spec.num_samples * spec.seq_len
-    if ids.numel() < needed:
-        raise KvslimError(
+    if ids.numel() < spec.num_tokens:
+        raise CalibrationTextTooShort(
             f"calibration text {spec.source} has {ids.numel()} tokens; {spec.num_samples} samples x "
-            f"{spec.seq_len} tokens need {needed} (lower --num-calib-samples or --calib-seq-len)"
+            f"{spec.seq_len} tokens need {spec.num_tokens}"
         )
-    return ids[:needed].reshape(spec.num_samples, spec.seq_len).clone()
+    return ids[: spec.num_tokens].reshape(spec.num_samples, spec.seq_len).clone()
 
 
 def calibration_ids(model_dir: str | Path, spec: CalibrationSpec) -> torch.Tensor:
