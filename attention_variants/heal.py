@@ -55,6 +55,27 @@ class HealSpec:
     save_every: int = 25
     seed: int = 0
 
+    def check(self) -> None:
+        """Refuse settings that cannot run, before any checkpoint is read."""
+        if (self.steps is None) == (self.minutes is None):
+            raise KvslimError("heal needs exactly one of --steps S or --minutes M")
+        if (self.steps is not None and self.steps < 1) or (self.minutes is not None and self.minutes <= 0):
+            raise KvslimError("--steps / --minutes must be positive")
+        if self.seq_len < 2 or self.batch_size < 1:
+            raise KvslimError("--seq-len must be at least 2 and --batch-size at least 1")
+        if self.clock not in ("wall", "cpu"):
+            raise KvslimError(f"clock {self.clock!r}: expected wall or cpu")
+        if self.clock == "cpu" and self.device != "cpu":
+            raise KvslimError(f"the CPU clock measures CPU work only; use the wall clock with --device {self.device}")
+        if self.lr is not None and not 0 < self.lr < math.inf:
+            raise KvslimError(f"--lr {self.lr}: must be a positive number")
+        if self.hidden_weight < 0:
+            raise KvslimError(f"--hidden-weight {self.hidden_weight}: must be >= 0")
+        if self.train not in TRAIN_MODES:
+            raise KvslimError(f"--train {self.train}: expected one of {', '.join(TRAIN_MODES)}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise KvslimError("--device cuda: no CUDA device available")
+
 
 @dataclass(frozen=True)
 class StepReport:
@@ -186,22 +207,7 @@ def heal(
 
     from attention_variants.summary import load_for_eval
 
-    if (spec.steps is None) == (spec.minutes is None):
-        raise KvslimError("heal needs exactly one of --steps S or --minutes M")
-    if (spec.steps is not None and spec.steps < 1) or (spec.minutes is not None and spec.minutes <= 0):
-        raise KvslimError("--steps / --minutes must be positive")
-    if spec.clock not in ("wall", "cpu"):
-        raise KvslimError(f"clock {spec.clock!r}: expected wall or cpu")
-    if spec.clock == "cpu" and spec.device != "cpu":
-        raise KvslimError(f"the CPU clock measures CPU work only; use the wall clock with --device {spec.device}")
-    if spec.lr is not None and not 0 < spec.lr < math.inf:
-        raise KvslimError(f"--lr {spec.lr}: must be a positive number")
-    if spec.hidden_weight < 0:
-        raise KvslimError(f"--hidden-weight {spec.hidden_weight}: must be >= 0")
-    if spec.train not in TRAIN_MODES:
-        raise KvslimError(f"--train {spec.train}: expected one of {', '.join(TRAIN_MODES)}")
-    if spec.device == "cuda" and not torch.cuda.is_available():
-        raise KvslimError("--device cuda: no CUDA device available")
+    spec.check()
     student_ckpt, teacher_ckpt = Checkpoint.open(student_dir), Checkpoint.open(teacher_dir)
     for ckpt in (student_ckpt, teacher_ckpt):
         if ckpt.quantization_config:

@@ -44,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from attention_variants.convert import ConvertSpec, convert
-    from attention_variants.summary import print_summary
+    from attention_variants.convert_and_heal import convert_and_heal
+    from attention_variants.summary import eval_perplexity, print_summary
     from foundation.errors import KvslimError
     from foundation.model_source import resolve_model
 
@@ -67,30 +68,10 @@ def run(args: argparse.Namespace) -> int:
         result = convert(source, spec, args.out, force=args.force)
         print_summary(source, result, spec, args.eval_tokens)
         return 0
-    return _convert_then_heal(source, spec, args)
-
-
-def _convert_then_heal(source, spec, args: argparse.Namespace) -> int:
-    import tempfile
-    from pathlib import Path
-
-    from attention_variants.convert import convert
-    from attention_variants.heal import HealSpec, heal
-    from attention_variants.summary import eval_perplexity, print_summary
-    from foundation.atomic import check_output_dir
-    from foundation.errors import KvslimError
-
-    if args.heal_steps < 1:
-        raise KvslimError("--heal-steps must be at least 1")
-    out = Path(args.out).expanduser().resolve()
-    check_output_dir(out, args.force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{out.name}.unhealed-", dir=out.parent) as tmp:
-        result = convert(source, spec, Path(tmp) / "converted")
-        print_summary(source, result, spec, args.eval_tokens)
-        healed = heal(result.out, source, HealSpec(steps=args.heal_steps), out, force=args.force)
+    _, healed = convert_and_heal(source, spec, args.heal_steps, args.out, force=args.force,
+                                 on_converted=lambda result: print_summary(source, result, spec, args.eval_tokens))
     print(f"  healed {healed.steps} steps ({healed.tokens} tokens of {healed.data}, {healed.train_seconds / 60:.1f} min): "
           f"KL {healed.first_loss:.4f} -> {healed.last_loss:.4f}")
     if args.eval_tokens > 0:
-        print(f"  healed: {eval_perplexity(out, args.eval_tokens).describe()}")
+        print(f"  healed: {eval_perplexity(healed.out, args.eval_tokens).describe()}")
     return 0

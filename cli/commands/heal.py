@@ -41,8 +41,6 @@ def run(args: argparse.Namespace) -> int:
     from foundation.errors import KvslimError
     from foundation.model_source import resolve_model
 
-    if args.seq_len < 2 or args.batch_size < 1:
-        raise KvslimError("--seq-len must be at least 2 and --batch-size at least 1")
     if args.eval_tokens < 0:
         raise KvslimError(f"--eval-tokens must be 0 (skip) or positive, got {args.eval_tokens}")
     teacher = resolve_model(args.teacher)
