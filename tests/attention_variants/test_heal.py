@@ -177,6 +177,20 @@ def test_bad_input(pair, tiny_llama, heal_text, tmp_path, capsys):
         assert not out.exists()
 
 
+@pytest.mark.parametrize("settings,message", [
+    (dict(), "exactly one of --steps S or --minutes M"),
+    (dict(steps=0), "must be positive"),
+    (dict(steps=1, seq_len=1), "--seq-len must be at least 2"),
+    (dict(steps=1, batch_size=0), "--batch-size at least 1"),
+    (dict(steps=1, train="some"), "--train some"),
+])
+def test_spec_is_checked_before_any_checkpoint_is_read(settings, message, tmp_path):
+    with pytest.raises(KvslimError, match=message):
+        HealSpec(**settings).check()
+    with pytest.raises(KvslimError, match=message):  # heal() refuses it before opening the missing checkpoints
+        heal(tmp_path / "no-student", tmp_path / "no-teacher", HealSpec(**settings), tmp_path / "out")
+
+
 def test_other_tokenizer_is_refused(pair, spec, tmp_path, default_model_dir):
     teacher, student = pair
     other = make_tiny_checkpoint(tmp_path / "other", "llama", tokenizer_from=default_model_dir, vocab_size=49152)
