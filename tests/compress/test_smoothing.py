@@ -90,7 +90,7 @@ def test_runtime_matches_transformers_on_a_smoothed_checkpoint(tiny_checkpoints,
     """A smoothed checkpoint is an ordinary compressed-tensors one: the runtime's logits equal
     transformers + compressed-tensors' (activations quantized per token by both)."""
     from runtime.model.loader import load_model
-    from tests.runtime.test_linear import _w8a8_logits_close
+    from tests.runtime.model.layers.test_linear import _w8a8_logits_close
 
     smooth, _ = smooth_checkpoint(Checkpoint.open(tiny_checkpoints["llama"]), CALIB, SmoothingSpec(0.8))
     out = quantize_checkpoint(smooth, tmp_path / kind, default_scheme(kind), progress=False).out
@@ -98,7 +98,7 @@ def test_runtime_matches_transformers_on_a_smoothed_checkpoint(tiny_checkpoints,
     ref = hf_logits(hf_model(out), ids)
     got = runtime_logits(load_model(out, "float32"), ids, (10,))
     if kind == "w8a8":
-        _w8a8_logits_close(got, ref)  # INT8 rounding ties: see tests/runtime/test_linear.py
+        _w8a8_logits_close(got, ref)  # INT8 rounding ties: see tests/runtime/model/layers/test_linear.py
     else:
         assert (got - ref).abs().max().item() <= 1e-4
 
