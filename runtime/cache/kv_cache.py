@@ -201,13 +201,13 @@ class KVCache:
             raise KvslimError(f"{len(num_blocks)} block counts for {len(spec.groups)} cache groups")
         if spec.static_scales and layer_scales is None:
             raise KvslimError("static KV scales requested but no per-layer scales given")
-        self.spec = spec
-        self.num_blocks = tuple(num_blocks)
-        # Refuse a budget that cannot fit, rather than die in the allocator (or be OOM-killed
-        # while the zeros are written).
         if residual_blocks < 1 and any(g.bits for g in spec.groups):
             raise KvslimError("low-bit KV needs full-precision residual blocks for the blocks being filled")
+        self.spec = spec
+        self.num_blocks = tuple(num_blocks)
         self.residual_blocks, self.residual_dtype = residual_blocks, residual_dtype
+        # Refuse a budget that cannot fit, rather than die in the allocator (or be OOM-killed
+        # while the zeros are written).
         nbytes = sum(n * spec.block_bytes(g) + residual_blocks * spec.residual_block_bytes(g, residual_dtype)
                      for g, n in enumerate(num_blocks))
         mib = round(nbytes / MIB)
