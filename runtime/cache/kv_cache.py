@@ -131,12 +131,8 @@ class KVCacheSpec:
     def block_bytes(self, g: int) -> int:
         """Bytes one block of group ``g`` occupies over all its layers (K and V, with scales)."""
         grp = self.groups[g]
-        if grp.bits:
-            per_token = bytes_per_token_head(grp.head_dim, grp.bits, self.block_size)
-            return int(len(grp.layers) * self.block_size * grp.num_kv_heads * per_token)
-        elem = torch.empty((), dtype=KV_DTYPES[grp.kv_dtype]).element_size()
-        per_token_head = grp.head_dim * elem + self.scale_bytes(grp)
-        return 2 * len(grp.layers) * self.block_size * grp.num_kv_heads * per_token_head
+        per_token_head = grp.head_dim * self.element_bytes(g) + self.scale_bytes(grp)
+        return round(2 * len(grp.layers) * self.block_size * grp.num_kv_heads * per_token_head)
 
     def residual_block_bytes(self, g: int, residual_dtype: torch.dtype) -> int:
         """Bytes of one full-precision residual block over group ``g``'s layers (low-bit KV only)."""
