@@ -40,15 +40,13 @@ class PackedLayerCache:
     def open_blocks(self) -> int:
         return int((self.slot_of >= 0).sum())
 
-    def _open(self, block: int) -> int:
-        slot = int(self.slot_of[block])
-        if slot < 0:
+    def _open(self, block: int) -> None:
+        """Give ``block`` a residual slot unless it holds one (a block reopened at offset 0 reuses its own)."""
+        if int(self.slot_of[block]) < 0:
             if not self._free:
                 raise KvslimError(f"all {self.k_residual.shape[0]} full-precision residual blocks are in use "
                                   "(more open blocks than running sequences)")
-            slot = self._free.pop()
-            self.slot_of[block] = slot
-        return slot
+            self.slot_of[block] = self._free.pop()
 
     def release(self, block: int) -> None:
         """Give back ``block``'s residual slot, if it holds one (the block was freed while open)."""
@@ -61,9 +59,9 @@ class PackedLayerCache:
         """Store new rows ``[T, kvh, D]`` at ``slots [T]``; quantize every block this write fills."""
         bs = self.block_size
         blocks, offsets = slots // bs, slots % bs
-        touched = blocks.unique().tolist()
-        residual = torch.tensor([self._open(b) for b in touched], dtype=torch.long, device=slots.device)
-        index = residual[torch.searchsorted(torch.tensor(touched, device=slots.device), blocks)]
+        for block in blocks.unique().tolist():
+            self._open(block)
+        index = self.slot_of[blocks]
         self.k_residual[index, offsets] = k.to(self.residual_dtype)
         self.v_residual[index, offsets] = v.to(self.residual_dtype)
         full = blocks[offsets == bs - 1].unique()
