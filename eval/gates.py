@@ -80,7 +80,7 @@ def _signal(base: TaskScore, cfg: GateConfig) -> tuple[bool, str]:
 
 def check_gates(baseline: EvalResults, candidate: EvalResults, cfg: GateConfig) -> list[GateResult]:
     """Recovery of every task of ``candidate`` against ``baseline``, gated per ``cfg``."""
-    keys = ("tasks", "limits", "perplexity_tokens", "seed", "pack_version")
+    keys = ("tasks", "limits", "perplexity_tokens", "perplexity_context", "text_file", "seed", "pack_version")
     diff = [k for k in keys if baseline.settings.get(k) != candidate.settings.get(k)]
     if diff:
         raise KvslimError(f"baseline and candidate were evaluated with different {', '.join(diff)}")

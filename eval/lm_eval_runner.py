@@ -19,12 +19,14 @@ from typing import Any, Callable
 from eval.perplexity_task import (
     PERPLEXITY_TASKS,
     PERPLEXITY_TOKENS,
+    TEXT_FILE_TASK,
+    PerplexityTask,
     run_perplexity_task,
 )
 from eval.results_cache import EvalResults, TaskScore
 from eval.task_pack import LM_EVAL_TASKS, PACK_VERSION, ensure_pack
 from foundation.errors import CheckpointError, KvslimError
-from foundation.perplexity import LogitsFn
+from foundation.perplexity import DEFAULT_CONTEXT, LogitsFn
 
 # Docs per lm-eval task in a default run (the first N docs of the split). Chosen from measured
 # token counts (SmolLM2 tokenizer, tokens per doc summed over choices: hellaswag 176, arc_easy 133,
@@ -118,7 +120,8 @@ def load_kvslim(ckpt: Path, plan: "EvalPlan") -> EvalModel:
     from eval.lm_eval_adapter import KvslimLM, register
 
     register()
-    lm = KvslimLM(pretrained=str(ckpt), batch_size=plan.batch_size, dtype=plan.dtype, kv_cache_dtype=plan.kv_cache_dtype)
+    lm = KvslimLM(pretrained=str(ckpt), batch_size=plan.batch_size, dtype=plan.dtype, kv_cache_dtype=plan.kv_cache_dtype,
+                  min_length=plan.context)
     return EvalModel(lm=lm, logits_fn=lm.logits_fn, tokenizer=lm.tokenizer)
 
 
@@ -129,26 +132,51 @@ BACKENDS: dict[str, Callable[[Path, "EvalPlan"], EvalModel]] = {
 
 @dataclass(frozen=True)
 class EvalPlan:
-    """What to run: tasks, per-task doc limits, perplexity tokens, batch size."""
+    """What to run: tasks, per-task doc limits, perplexity tokens and context, batch size."""
 
     tasks: tuple[str, ...]
     limits: dict[str, int]
-    perplexity_tokens: int = PERPLEXITY_TOKENS
+    perplexity_tokens: int | None = None  # --ppl-tokens; None: 8,192 of a named range, all of a --text file
     batch_size: int = DEFAULT_BATCH_SIZE
     dtype: str = "auto"  # the kvslim backend's activations (the hf backend runs float32)
     kv_cache_dtype: str = "auto"  # the kvslim backend's KV cache (runtime.cache.kv_dtype_choices)
+    context: int = DEFAULT_CONTEXT  # every perplexity entry's window (stride half of it)
+    text_file: str | None = None  # --text FILE: the ppl_text entry
 
     @classmethod
     def make(cls, tasks: list[str] | None, limit: int | None, perplexity_tokens: int | None, batch_size: int,
-             dtype: str = "auto", kv_cache_dtype: str = "auto") -> "EvalPlan":
-        names = tuple(tasks) if tasks else DEFAULT_TASKS
-        unknown = [t for t in names if t not in LM_EVAL_TASKS and t not in PERPLEXITY_TASKS]
+             dtype: str = "auto", kv_cache_dtype: str = "auto", context: int | None = None,
+             text_file: str | None = None) -> "EvalPlan":
+        """``tasks`` None: the whole pack, or only ``ppl_text`` when ``text_file`` is given."""
+        if tasks:
+            names = tuple(tasks)
+        else:
+            names = (TEXT_FILE_TASK,) if text_file else DEFAULT_TASKS
+        if text_file and TEXT_FILE_TASK not in names:
+            names = (*names, TEXT_FILE_TASK)
+        if TEXT_FILE_TASK in names and not text_file:
+            raise KvslimError(f"task {TEXT_FILE_TASK} scores a file: give it with --text FILE")
+        known = (*DEFAULT_TASKS, TEXT_FILE_TASK)
+        unknown = [t for t in names if t not in known]
         if unknown:
-            raise KvslimError(f"unknown task(s) {', '.join(unknown)}; known: {', '.join(DEFAULT_TASKS)}")
+            raise KvslimError(f"unknown task(s) {', '.join(unknown)}; known: {', '.join(known)}")
         if limit is not None and limit < 1:
             raise KvslimError(f"--limit must be >= 1, got {limit}")
+        if context is not None and context < 2:
+            raise KvslimError(f"--ctx must be >= 2, got {context}")
         limits = {t: min(limit or DEFAULT_LIMITS[t], LM_EVAL_TASKS[t].num_docs) for t in names if t in LM_EVAL_TASKS}
-        return cls(names, limits, perplexity_tokens or PERPLEXITY_TOKENS, batch_size, dtype, kv_cache_dtype)
+        return cls(names, limits, perplexity_tokens, batch_size, dtype, kv_cache_dtype,
+                   context or DEFAULT_CONTEXT, str(Path(text_file).resolve()) if text_file else None)
+
+    def perplexity_tasks(self) -> list[PerplexityTask]:
+        """The plan's perplexity entries, in task order, at the plan's context."""
+        entries = []
+        for name in self.tasks:
+            if name == TEXT_FILE_TASK:
+                entries.append(PerplexityTask.of_file(self.text_file))
+            elif name in PERPLEXITY_TASKS:
+                entries.append(PERPLEXITY_TASKS[name])
+        return [e.at_context(self.context) if self.context != DEFAULT_CONTEXT else e for e in entries]
 
     def settings(self) -> dict:
         """Everything that changes the numbers: part of the results cache key."""
@@ -157,10 +185,13 @@ class EvalPlan:
 
         from runtime.model.layers.activation_dtype import choose_activation_dtype
 
+        named_ppl = any(t in PERPLEXITY_TASKS for t in self.tasks)
         return {
             "tasks": sorted(self.tasks),
             "limits": dict(sorted(self.limits.items())),
-            "perplexity_tokens": self.perplexity_tokens if any(t in PERPLEXITY_TASKS for t in self.tasks) else None,
+            "perplexity_tokens": (self.perplexity_tokens or PERPLEXITY_TOKENS) if named_ppl else None,
+            **({"perplexity_context": self.context} if self.context != DEFAULT_CONTEXT else {}),
+            **({"text_file": self._text_file_settings()} if self.text_file else {}),
             "batch_size": self.batch_size,
             "kvslim_dtype": choose_activation_dtype(self.dtype).name,  # auto resolves by the CPU
             **({"kvslim_kv_cache_dtype": self.kv_cache_dtype} if self.kv_cache_dtype != "auto" else {}),
@@ -169,6 +200,14 @@ class EvalPlan:
             "transformers": transformers.__version__,
             "seed": SEED,
         }
+
+    def _text_file_settings(self) -> dict:
+        import hashlib
+
+        from eval.perplexity_task import read_text_file
+
+        digest = hashlib.sha256(read_text_file(self.text_file).encode()).hexdigest()
+        return {"path": self.text_file, "sha256": digest, "tokens": self.perplexity_tokens}
 
 
 def lm_eval_scores(model: EvalModel, plan: EvalPlan) -> dict[str, TaskScore]:
@@ -213,12 +252,10 @@ def lm_eval_scores(model: EvalModel, plan: EvalPlan) -> dict[str, TaskScore]:
 
 def _perplexity_scores(model: EvalModel, plan: EvalPlan) -> dict[str, TaskScore]:
     scores = {}
-    for name in plan.tasks:
-        if name not in PERPLEXITY_TASKS:
-            continue
-        r = run_perplexity_task(PERPLEXITY_TASKS[name], model.logits_fn, model.tokenizer, plan.perplexity_tokens)
-        scores[name] = TaskScore(
-            task=name,
+    for task in plan.perplexity_tasks():
+        r = run_perplexity_task(task, model.logits_fn, model.tokenizer, plan.perplexity_tokens)
+        scores[task.name] = TaskScore(
+            task=task.name,
             metric="perplexity",
             value=r["perplexity"],
             stderr=None,

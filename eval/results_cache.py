@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from foundation.atomic import write_text_atomic
 from foundation.errors import KvslimError
 from foundation.model_source import cache_root
 
@@ -89,8 +90,4 @@ def load_cached(path: Path) -> EvalResults | None:
 
 def save(results: EvalResults, path: Path) -> Path:
     """Write results JSON atomically (write a temp file, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(results.to_json())
-    tmp.replace(path)
-    return path
+    return write_text_atomic(path, results.to_json())

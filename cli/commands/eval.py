@@ -2,12 +2,16 @@
 
 Scores of each (checkpoint content, task set, limits) are cached as JSON, so a baseline is measured
 once. With ``--baseline``, every task's recovery is checked against ``eval/gates.yaml``; the command
-exits 1 when a gate fails.
+exits 1 when a gate fails. ``--text FILE`` scores perplexity on a user's own text, ``--ctx N`` sets
+every perplexity entry's context, ``--json PATH`` writes everything measured.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from dataclasses import asdict
+from pathlib import Path
 
 from foundation.errors import KvslimError
 from runtime.cache.kv_dtype_choices import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES
@@ -21,7 +25,13 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         help="tasks (space or comma separated); default: all 8 lm-eval tasks + ppl_wikipedia + ppl_pydoc",
     )
     p.add_argument("--limit", type=int, help="docs per lm-eval task (default: fixed per-task limits, see BENCHMARKS.md)")
-    p.add_argument("--ppl-tokens", type=int, help="tokens per perplexity entry (default 8192)")
+    p.add_argument("--ppl-tokens", type=int,
+                   help="tokens per perplexity entry (default 8192 of a named text, all of a --text file)")
+    p.add_argument("--text", metavar="FILE",
+                   help="also score perplexity on this UTF-8 text file (entry ppl_text); without --tasks, only that")
+    p.add_argument("--ctx", type=int, metavar="N",
+                   help="context of every perplexity entry, stride N/2 (default 512; at most the model's positions)")
+    p.add_argument("--json", type=Path, metavar="PATH", help="write every result (and gates) to this JSON file")
     p.add_argument("--baseline", metavar="CKPT", help="compare against this checkpoint and apply the recovery gates")
     p.add_argument("--scheme", default="default", help="which gates of eval/gates.yaml apply (default: default)")
     p.add_argument("--backend", default="hf", help="model backend: hf (lm-eval's own transformers model) or kvslim (kvslim's engine: as served)")
@@ -50,6 +60,29 @@ def _checked_checkpoint(model_arg: str):
     path = resolve_model(model_arg).resolve()
     Checkpoint.open(path)
     return path
+
+
+def _check_context(ckpt, context: int | None) -> None:
+    """Refuse a perplexity context longer than the model's positions before anything loads."""
+    if context is None:
+        return
+    from foundation.checkpoint import Checkpoint
+
+    positions = Checkpoint.open(ckpt).config.get("max_position_embeddings")
+    if positions is not None and context > int(positions):
+        raise KvslimError(f"--ctx {context} is longer than the model's {positions} positions (max_position_embeddings)")
+
+
+def write_json(path: Path, results, baseline=None, gates=None) -> None:
+    """Every score (and the baseline's and the gates, when run) as one JSON file, written atomically."""
+    doc = {"results": json.loads(results.to_json())}
+    if baseline is not None:
+        doc["baseline"] = json.loads(baseline.to_json())
+    if gates is not None:
+        doc["gates"] = [asdict(g) for g in gates]
+    from foundation.atomic import write_text_atomic
+
+    write_text_atomic(path, json.dumps(doc, indent=2, sort_keys=True))
 
 
 def _fmt(x: float | None, digits: int = 4) -> str:
@@ -83,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     from eval.cached_evaluation import evaluate_cached
     from eval.gates import GateConfig, all_passed, check_gates
     from eval.lm_eval_runner import BACKENDS, EvalPlan
-    from eval.perplexity_task import PERPLEXITY_TASKS, check_perplexity_tokens
+    from eval.perplexity_task import check_perplexity_tokens
 
     if args.backend not in BACKENDS:
         raise KvslimError(f"unknown backend {args.backend!r}; known: {', '.join(BACKENDS)}")
@@ -97,18 +130,23 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_cache_dtype != "auto" and args.backend != "kvslim":
         raise KvslimError("--kv-cache-dtype applies to --backend kvslim (the hf backend keeps transformers' cache)")
     plan = EvalPlan.make(_task_list(args.tasks), args.limit, args.ppl_tokens, args.batch_size, args.dtype,
-                         args.kv_cache_dtype)
+                         args.kv_cache_dtype, args.ctx, args.text)
     ckpt = _checked_checkpoint(args.checkpoint)
     baseline = _checked_checkpoint(args.baseline) if args.baseline is not None else None
-    ppl_names = [t for t in plan.tasks if t in PERPLEXITY_TASKS]
-    if args.ppl_tokens is not None and ppl_names:
+    for path in (ckpt, baseline):
+        if path is not None:
+            _check_context(path, args.ctx)
+    ppl_tasks = plan.perplexity_tasks()
+    if args.ppl_tokens is not None and ppl_tasks:
         from transformers import AutoTokenizer
 
-        check_perplexity_tokens(AutoTokenizer.from_pretrained(str(ckpt)), ppl_names, args.ppl_tokens)
+        check_perplexity_tokens(AutoTokenizer.from_pretrained(str(ckpt)), ppl_tasks, args.ppl_tokens)
 
     results, path = evaluate_cached(ckpt, plan, args.backend, not args.no_cache)
     print_scores(results, path)
     if baseline is None:
+        if args.json:
+            write_json(args.json, results)
         return 0
     base, base_path = evaluate_cached(baseline, plan, args.backend, not args.no_cache)
     print()
@@ -116,6 +154,8 @@ def run(args: argparse.Namespace) -> int:
     print()
     gates = check_gates(base, results, gate_cfg)
     print_gates(gates, gate_cfg.scheme)
+    if args.json:
+        write_json(args.json, results, base, gates)
     if not all_passed(gates):
         failed = ", ".join(g.task for g in gates if g.passed is False)
         print(f"compress eval: recovery gate failed: {failed}", file=sys.stderr)

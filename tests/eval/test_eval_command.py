@@ -1,4 +1,5 @@
 """`compress eval` end to end on tiny checkpoints (and, marked slow, the real default model)."""
+import json
 import shutil
 
 import pytest
@@ -125,3 +126,75 @@ def test_broken_checkpoint_fails_its_gate(default_model_dir, tmp_path, capsys):
     assert main(["eval", str(default_model_dir), "--baseline", str(default_model_dir), *args]) == 0
     out = capsys.readouterr().out
     assert "FAIL" not in out and "pass" in out
+
+
+USER_TEXT = "The quick brown fox jumps over the lazy dog. " * 40
+
+
+@pytest.mark.parametrize("backend", ["hf", "kvslim"])
+def test_text_file_alone_at_a_context_writes_json(tiny_with_tokenizer, tmp_path, capsys, backend):
+    text = tmp_path / "mine.txt"
+    text.write_text(USER_TEXT)
+    out = tmp_path / "out" / "scores.json"
+    args = ["eval", str(tiny_with_tokenizer), "--text", str(text), "--ctx", "64", "--json", str(out),
+            "--backend", backend]
+    assert main(args) == 0
+    doc = json.loads(out.read_text())
+    scores = doc["results"]["scores"]
+    assert list(scores) == ["ppl_text"]  # with --text and no --tasks, only that perplexity runs
+    row = scores["ppl_text"]
+    assert row["detail"] == f"{text.resolve()}, first {row['num_samples']} tokens, context 64, stride 32"
+    assert row["value"] > 1 and row["num_samples"] > 64
+    assert doc["results"]["settings"]["text_file"]["sha256"]
+    assert f"{row['value']:.3f}" in capsys.readouterr().out
+    # a changed file is a new measurement, never a cached one
+    text.write_text(USER_TEXT + "And then some more words.")
+    assert main(args) == 0
+    assert json.loads(out.read_text())["results"]["scores"]["ppl_text"]["num_samples"] > row["num_samples"]
+
+
+def test_text_file_beside_tasks_and_a_baseline(tiny_with_tokenizer, tmp_path):
+    text = tmp_path / "mine.txt"
+    text.write_text(USER_TEXT)
+    out = tmp_path / "scores.json"
+    assert main(["eval", str(tiny_with_tokenizer), "--tasks", "ppl_pydoc", "--ppl-tokens", "200", "--text", str(text),
+                 "--ctx", "128", "--baseline", str(tiny_with_tokenizer), "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert list(doc["results"]["scores"]) == ["ppl_pydoc", "ppl_text"]
+    assert doc["results"]["scores"]["ppl_pydoc"]["detail"].endswith("context 128, stride 64")
+    assert {g["task"] for g in doc["gates"]} == {"ppl_pydoc", "ppl_text"}
+    assert doc["baseline"]["scores"].keys() == doc["results"]["scores"].keys()
+
+
+def _bad_texts(tmp_path):
+    empty, binary, folder = tmp_path / "empty.txt", tmp_path / "latin1.txt", tmp_path / "folder"
+    empty.write_text("  \n")
+    binary.write_bytes("caf\xe9".encode("latin-1"))
+    folder.mkdir()
+    return {"empty": (empty, "is empty"), "binary": (binary, "not UTF-8"), "folder": (folder, "is a directory"),
+            "missing": (tmp_path / "none.txt", "no such file")}
+
+
+@pytest.mark.parametrize("case", ["empty", "binary", "folder", "missing"])
+def test_bad_text_file_exit_2_with_one_line(tiny_with_tokenizer, tmp_path, capsys, case):
+    path, message = _bad_texts(tmp_path)[case]
+    assert main(["eval", str(tiny_with_tokenizer), "--text", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and str(path) in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--ctx", "100000"], "longer than the model's"),
+        (["--ctx", "1"], "--ctx must be >= 2"),
+        (["--tasks", "ppl_text"], "give it with --text FILE"),
+    ],
+)
+def test_bad_context_or_text_task_exit_2(tiny_with_tokenizer, tmp_path, capsys, args, message):
+    text = tmp_path / "mine.txt"
+    text.write_text(USER_TEXT)
+    extra = [] if "ppl_text" in args else ["--text", str(text)]
+    assert main(["eval", str(tiny_with_tokenizer), *args, *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
