@@ -18,7 +18,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -68,6 +68,7 @@ class BenchSummary:
     itl_ms: dict
     e2el_ms: dict
     errors: list[str]
+    server_kv: dict = field(default_factory=dict)  # the server's KV cache, from its /metrics when it says
 
 
 def percentiles(values: Sequence[float]) -> dict:
@@ -223,6 +224,10 @@ def format_summary(s: BenchSummary) -> str:
         rows.append((f"{name} mean / median / p99 (ms)", f"{d['mean']:.1f} / {d['median']:.1f} / {d['p99']:.1f}"))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    if s.server_kv:
+        kv = s.server_kv
+        per_token = f", {kv['bytes_per_token']:.0f} B/token" if kv.get("bytes_per_token") is not None else ""
+        lines.append(f"{'Server KV cache':<{width}}  {kv.get('kv_dtype', '?')}{per_token}")
     lines += [f"error: {e}" for e in s.errors]
     return "\n".join(lines)
 
@@ -237,6 +242,30 @@ def served_model(base_url: str, api_key: str | None) -> str:
     if r.status_code != 200:
         raise KvslimError(f"{base_url}/v1/models answered HTTP {r.status_code}")
     return r.json()["data"][0]["id"]
+
+
+def server_kv_cache(base_url: str, api_key: str | None) -> dict:
+    """The KV dtype (and bytes per token) a server reports in ``/metrics``: kvslim's
+    ``kvslim_kv_cache_info`` / ``kvslim_kv_bytes_per_token`` or vLLM's ``cache_config_info``;
+    empty when the server does not say."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=30)
+        families = list(text_string_to_metric_families(r.text)) if r.status_code == 200 else []
+    except (httpx.HTTPError, ValueError):
+        return {}
+    kv: dict = {}
+    for family in families:
+        for sample in family.samples:
+            if sample.name == "kvslim_kv_cache_info":
+                kv["kv_dtype"] = sample.labels.get("kv_dtype")
+            elif sample.name == "kvslim_kv_bytes_per_token":
+                kv["bytes_per_token"] = sample.value
+            elif sample.name.endswith("cache_config_info") and "cache_dtype" in sample.labels:
+                kv.setdefault("kv_dtype", sample.labels["cache_dtype"])
+    return kv
 
 
 def bench_serve(base_url: str, num_prompts: int, request_rate: float, max_concurrency: int | None,
@@ -261,8 +290,9 @@ def bench_serve(base_url: str, num_prompts: int, request_rate: float, max_concur
         requests = text_requests(tokenizer, num_prompts, input_len, output_len, seed)
         prompts = f"{TEXT_RANGE} {input_len} tokens in, {output_len} out"
     results, duration = asyncio.run(run_load(base_url, model, requests, request_rate, max_concurrency, seed, api_key))
-    return summarize(results, duration, base_url=base_url, model=model, prompts=prompts,
-                     request_rate=request_rate, max_concurrency=max_concurrency)
+    summary = summarize(results, duration, base_url=base_url, model=model, prompts=prompts,
+                        request_rate=request_rate, max_concurrency=max_concurrency)
+    return replace(summary, server_kv=server_kv_cache(base_url, api_key))
 
 
 def write_json(summary: BenchSummary, path: Path) -> None:

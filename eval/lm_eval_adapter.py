@@ -42,8 +42,8 @@ class KvslimLM(TemplateLM):
     """``pretrained``: checkpoint dir or model name; ``dtype``: activations (auto / float32 / bfloat16);
     ``kv_cache_dtype``: auto (the checkpoint's kv_cache_scheme, else the model dtype) | fp32 | bf16
     | fp16 | fp8 | int8 | int4 | int2; ``max_length``: longest scored window (default: the model's
-    max_position_embeddings, capped at 4096 as the engine's max_model_len, raised to ``min_length``: a
-    perplexity context the caller will score); ``batch_size``: requests
+    max_position_embeddings, capped at 4096 as the engine's max_model_len, raised to ``min_length`` (a
+    perplexity context the caller will score) up to the model's positions); ``batch_size``: requests
     the engine runs concurrently; ``kv_cache_mib``: the KV pool."""
 
     def __init__(
@@ -70,10 +70,8 @@ class KvslimLM(TemplateLM):
             raise KvslimError(f"kv_cache_dtype={kv_cache_dtype!r}; known: {', '.join(KV_CACHE_DTYPES)}")
         path = resolve_model(str(pretrained))
         positions = int(json.loads((path / "config.json").read_text()).get("max_position_embeddings", 2048))
-        max_len = int(max_length) if max_length is not None else max(min(positions, 4096), int(min_length))
-        if max_len > positions:
-            raise KvslimError(f"a context of {max_len} tokens is longer than the model's {positions} positions "
-                              "(max_position_embeddings)")
+        max_len = int(max_length) if max_length is not None else min(max(min(positions, 4096), int(min_length)),
+                                                                       positions)
         num_seqs = 8 if str(batch_size).startswith("auto") else max(1, int(batch_size))
         # A scored sequence of max_length + 1 tokens runs whole as a prompt (its last token is only
         # a target) and samples one token: the engine needs two positions of room.

@@ -137,7 +137,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, ckpt, source: str) -> 
         Checkpoint.open(resolve_model(original_source)).config)
     group = engine.kv_spec.groups[0]
     footprint = KVFootprint.of(layout, engine.kv_spec.element_bytes(0), engine.kv_spec.scale_bytes(group), original,
-                               engine.max_model_len)
+                               engine.max_model_len, group.kv_dtype)
 
     # A known name (smollm2) is the model id; a directory or file is known by its name.
     model_name = args.served_model_name or (path.name if Path(source).exists() else source)

@@ -31,6 +31,7 @@ class KVFootprint:
 
     bytes_per_token: float
     original_bytes_per_token: float
+    kv_dtype: str = "bf16"  # what the served cache stores (KVCacheSpec group dtype name)
 
     @property
     def saving(self) -> float:
@@ -39,10 +40,10 @@ class KVFootprint:
 
     @classmethod
     def of(cls, layout: AttentionLayout, dtype_bytes: float, scale_bytes: float,
-           original: AttentionLayout, context_len: int) -> "KVFootprint":
+           original: AttentionLayout, context_len: int, kv_dtype: str) -> "KVFootprint":
         """Served ``layout`` at its KV dtype vs ``original`` in bf16, both at ``context_len`` tokens."""
         return cls(layout.kv_bytes_per_token(context_len, dtype_bytes, scale_bytes),
-                   original.kv_bytes_per_token(context_len, ORIGINAL_KV_BYTES))
+                   original.kv_bytes_per_token(context_len, ORIGINAL_KV_BYTES), kv_dtype)
 
 
 class _EngineCollector(Collector):
@@ -79,6 +80,10 @@ class _EngineCollector(Collector):
                                 "KV cache bytes per token of the original model (bf16 KV).", fp.original_bytes_per_token)
         yield GaugeMetricFamily(f"{PREFIX}_kv_bytes_saving_ratio",
                                 "1 - served / original KV bytes per token.", fp.saving)
+        info = GaugeMetricFamily(f"{PREFIX}_kv_cache_info", "What the served KV cache stores (value 1).",
+                                 labels=["kv_dtype"])
+        info.add_metric([fp.kv_dtype], 1)
+        yield info
 
 
 class ServerMetrics:

@@ -9,7 +9,7 @@ import pytest
 from cli.main import main
 from eval.bench_serve import dataset_requests, percentiles
 from foundation.errors import KvslimError
-from tests.runtime.server.conftest import API_KEY
+from tests.runtime.server.conftest import API_KEY, ServerProcess, serve_argv
 
 
 def test_percentiles_interpolate_like_numpy():
@@ -47,7 +47,28 @@ def test_bench_serve_cli_end_to_end(server, tiny_chat_checkpoint, tmp_path, caps
     assert s["total_input_tokens"] == 12 * 24 and s["total_output_tokens"] == 12 * 5
     assert s["prompts"].startswith("wikipedia:eval")
     assert 0 < s["ttft_ms"]["median"] <= s["e2el_ms"]["median"]
-    assert "Output token throughput" in capsys.readouterr().out
+    # the row names the server's KV cache (fp32 KV of the tiny model: 4 layers x K,V x 2 heads x 32 dims x 4 B)
+    assert s["server_kv"] == {"kv_dtype": "fp32", "bytes_per_token": 4 * 2 * 2 * 32 * 4}
+    out = capsys.readouterr().out
+    assert "Output token throughput" in out and "Server KV cache" in out and "fp32, 2048 B/token" in out
+
+
+def test_bench_serve_against_an_int4_kv_server(tiny_chat_checkpoint, tmp_path, capsys):
+    """Requests run through int4 KV blocks (several fill and are quantized); the row names the cache."""
+    srv = ServerProcess(serve_argv(tiny_chat_checkpoint, "--kv-cache-dtype", "int4", "--max-num-seqs", "4",
+                                   "--max-model-len", "256", "--kv-cache-mib", "4"), tmp_path / "server.log")
+    try:
+        out = tmp_path / "int4.json"
+        assert main(["bench", "serve", "--base-url", srv.base_url, "--num-prompts", "6", "--max-concurrency", "3",
+                     "--input-len", "80", "--output-len", "60", "--tokenizer", str(tiny_chat_checkpoint),
+                     "--json", str(out)]) == 0
+    finally:
+        srv.stop()
+    s = json.loads(out.read_text())
+    assert s["completed"] == 6 and s["total_output_tokens"] == 6 * 60
+    # int4 K and V of the tiny model: 4 layers x 2 heads x (2 x 16 B codes + 4 x 2 B / 64 per channel x 32 + 4 B)
+    assert s["server_kv"] == {"kv_dtype": "int4", "bytes_per_token": 4 * 2 * (2 * 16 + 2 * 2 * 32 / 64 + 2 * 2)}
+    assert "int4, 304 B/token" in capsys.readouterr().out
 
 
 def test_bench_serve_cli_refuses_bad_arguments(capsys):

@@ -151,6 +151,7 @@ def test_metrics_report_kv_footprint_and_latencies(server, client):
     # fp32 KV of the tiny model: 4 layers x 2 (K, V) x 2 heads x 32 dims x 4 bytes; the original in bf16.
     assert m["kvslim_kv_bytes_per_token"] == 4 * 2 * 2 * 32 * 4
     assert m["kvslim_kv_bytes_per_token_original"] == 4 * 2 * 2 * 32 * 2
+    assert m['kvslim_kv_cache_info{kv_dtype="fp32"}'] == 1
     assert m["kvslim_time_to_first_token_seconds_count"] >= 1
     assert m["kvslim_generation_tokens_total"] >= 4
     assert m["kvslim_prompt_tokens_total"] >= 1
