@@ -56,21 +56,42 @@ class PackedLayerCache:
             self._free.append(slot)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """Store new rows ``[T, kvh, D]`` at ``slots [T]``; quantize every block this write fills."""
+        """Store new rows ``[T, kvh, D]`` at ``slots [T]``; quantize every block this write fills.
+
+        Only blocks left open take a residual slot: a block this write fills is quantized from its
+        residual rows (if it had some) and the new ones, so a prompt spanning many blocks needs no
+        more slots than the one block it leaves open."""
         bs = self.block_size
         blocks, offsets = slots // bs, slots % bs
-        for block in blocks.unique().tolist():
-            self._open(block)
-        index = self.slot_of[blocks]
-        self.k_residual[index, offsets] = k.to(self.residual_dtype)
-        self.v_residual[index, offsets] = v.to(self.residual_dtype)
-        full = blocks[offsets == bs - 1].unique()
-        if full.numel():
-            rows = self.slot_of[full]
-            self.k_codes[full], self.k_scale[full], self.k_min[full] = quantize_key_blocks(self.k_residual[rows], self.bits)
-            self.v_codes[full], self.v_scale[full], self.v_min[full] = quantize_value_rows(self.v_residual[rows], self.bits)
-            for b in full.tolist():
-                self.release(b)
+        closing = blocks[offsets == bs - 1].unique()  # sorted
+        closes = torch.isin(blocks, closing)
+        if closing.numel():  # first, so that the slots they give back serve the blocks opened now
+            self._close(closing, blocks[closes], offsets[closes], k[closes], v[closes])
+        stays = ~closes
+        if bool(stays.any()):
+            for block in blocks[stays].unique().tolist():
+                self._open(block)
+            index = self.slot_of[blocks[stays]]
+            self.k_residual[index, offsets[stays]] = k[stays].to(self.residual_dtype)
+            self.v_residual[index, offsets[stays]] = v[stays].to(self.residual_dtype)
+
+    def _close(self, full: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> None:
+        """Quantize blocks ``full`` (sorted) from their residual rows and new rows ``k, v`` at ``(blocks, offsets)``."""
+        shape = (full.numel(), *self.k_residual.shape[1:])
+        k_rows = torch.empty(shape, dtype=self.residual_dtype, device=k.device)
+        v_rows = torch.empty(shape, dtype=self.residual_dtype, device=v.device)
+        slot = self.slot_of[full]
+        held = slot >= 0
+        if bool(held.any()):
+            k_rows[held], v_rows[held] = self.k_residual[slot[held]], self.v_residual[slot[held]]
+        at = torch.searchsorted(full, blocks)
+        k_rows[at, offsets] = k.to(self.residual_dtype)
+        v_rows[at, offsets] = v.to(self.residual_dtype)
+        self.k_codes[full], self.k_scale[full], self.k_min[full] = quantize_key_blocks(k_rows, self.bits)
+        self.v_codes[full], self.v_scale[full], self.v_min[full] = quantize_value_rows(v_rows, self.bits)
+        for b in full[held].tolist():
+            self.release(b)
 
     def gather(self, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of ``blocks [..., nb]`` -> ``[..., nb * block_size, kvh, D]`` in ``dtype``: open blocks

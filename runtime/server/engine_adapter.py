@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import queue
+import sys
 import threading
+import traceback
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -129,6 +131,9 @@ class ThreadedEngine:
             try:
                 outs = self.engine.step()
             except Exception as e:  # a failed step fails every request in flight, not the server
+                sys.stderr.write(f"compress serve: engine step failed, {len(self._by_rid)} request(s) aborted: "
+                                 f"{type(e).__name__}: {e}\n")
+                traceback.print_exc(file=sys.stderr)
                 for rid in list(self._by_rid):
                     self.engine.abort(rid)
                     sub = self._by_rid.pop(rid)

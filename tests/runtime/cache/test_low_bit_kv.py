@@ -93,6 +93,26 @@ def test_freed_open_block_gives_its_residual_back(tiny_llama):
     assert cache.layers[0].open_blocks == 2
 
 
+def test_blocks_filled_within_one_write_need_no_residual_slot(tiny_llama):
+    """Two prompts prefilled in one step fill four blocks and leave two open: two slots suffice, and
+    each filled block is quantized from exactly its rows (those written earlier and now)."""
+    cache = _cache(tiny_llama, "int4")  # block 8, two residual slots
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(3, 2, 32, generator=g), torch.randn(3, 2, 32, generator=g)
+    cache.write(0, k, v, torch.tensor([40, 41, 42]))  # block 5 open since an earlier step
+    rows_k, rows_v = torch.randn(26, 2, 32, generator=g), torch.randn(26, 2, 32, generator=g)
+    # blocks 0, 1 and offsets 0..2 of 2 (prompt A); offsets 3..7 of block 5, then block 3 (prompt B)
+    slots = torch.cat([torch.arange(0, 19), torch.arange(43, 48), torch.arange(24, 26)])
+    cache.write(0, rows_k, rows_v, slots)
+    layer = cache.layers[0]
+    assert layer.open_blocks == 2 and {int(b) for b in (layer.slot_of >= 0).nonzero()} == {2, 3}
+    for block, kk in ((0, rows_k[0:8]), (1, rows_k[8:16]), (5, torch.cat([k, rows_k[19:24]]))):
+        codes, _, _ = quantize_key_blocks(kk[None], 4)
+        assert torch.equal(cache.tensors[0]["k_codes"][0, block], codes[0]), block
+    got_k, got_v = cache.gather(0, torch.tensor([2]), torch.float32)
+    assert torch.equal(got_k[:3], rows_k[16:19]) and torch.equal(got_v[:3], rows_v[16:19])
+
+
 def test_bytes_per_token(tiny_llama):
     # SmolLM2's head_dim 64 at block 64: int4 72 B per token and head (3.56x smaller than bf16's
     # 256), int2 40 B (6.4x), codes and parameters included.
