@@ -5,7 +5,9 @@ and hands it to the backend with ``set_batch``; the decoder then calls ``attend`
 Sequences decoding one token are attended together (their blocks gathered into one padded
 batch); sequences with several new tokens (prefill chunks) one at a time, over their cached
 prefix plus the chunk. Quantized caches are dequantized on read to q's dtype; SDPA does the
-math (fp32 accumulation); logit softcap takes a plain fp32 path.
+math (fp32 accumulation); logit softcap takes a plain fp32 path. With int4/int2 KV a step reads
+its own new rows exact (KIVI: the prompt is attended in full precision) and everything written
+before as stored: earlier blocks quantized, the sequence's open block exact.
 """
 from __future__ import annotations
 
@@ -117,12 +119,14 @@ class _ReadPlan:
     # softcap path, an additive [S_decode, 1, 1, Tk] (0 / -inf, q's dtype) for SDPA.
     decode_allowed: torch.Tensor | None
     decode_bias: torch.Tensor | None
-    chunks: tuple[tuple[int, slice, torch.Tensor, torch.Tensor], ...]  # (seq, rows, blocks [1, nb], allowed [1, n, Tk])
+    decode_new_key: torch.Tensor | None  # [S_decode]: each new token's own key among the Tk read
+    # (seq, rows, blocks [1, nb], allowed [1, n, Tk], position of the first key read)
+    chunks: tuple[tuple[int, slice, torch.Tensor, torch.Tensor, int], ...]
 
 
 def _plan(batch: PagedBatch, table: torch.Tensor, window: int | None, dtype: torch.dtype, softcap: bool) -> _ReadPlan:
     bs = batch.block_size
-    decode_blocks = decode_allowed = decode_bias = None
+    decode_blocks = decode_allowed = decode_bias = decode_new_key = None
     if batch.decode_seqs.numel():
         idx = batch.decode_seqs
         ctx = batch.context_lens[idx].long()  # [S]
@@ -134,6 +138,7 @@ def _plan(batch: PagedBatch, table: torch.Tensor, window: int | None, dtype: tor
         # Columns past a table's end read block 0; their key positions are >= ctx, so masked.
         decode_blocks = table[idx[:, None], cols.clamp_max(table.shape[1] - 1)]
         key_pos = (cols[:, :, None] * bs + torch.arange(bs)).flatten(1)  # [S, Tk]
+        decode_new_key = ctx - 1 - cols[:, 0] * bs
         allowed = key_pos < ctx[:, None]
         if window is not None:
             allowed &= key_pos >= (ctx - window)[:, None]
@@ -155,8 +160,9 @@ def _plan(batch: PagedBatch, table: torch.Tensor, window: int | None, dtype: tor
         allowed = dist >= 0
         if window is not None:
             allowed &= dist < window
-        chunks.append((i, slice(starts[i], starts[i] + n), table[i, cols].unsqueeze(0), allowed.unsqueeze(0)))
-    return _ReadPlan(decode_blocks, decode_allowed, decode_bias, tuple(chunks))
+        chunks.append((i, slice(starts[i], starts[i] + n), table[i, cols].unsqueeze(0), allowed.unsqueeze(0),
+                       int(cols[0]) * bs))
+    return _ReadPlan(decode_blocks, decode_allowed, decode_bias, decode_new_key, tuple(chunks))
 
 
 def _attend_decode(
@@ -205,19 +211,24 @@ class PagedAttentionBackend:
         if key not in self._plans:
             self._plans[key] = _plan(batch, batch.block_tables[g], params.window, q.dtype, softcap)
         plan = self._plans[key]
+        fresh_exact = k is not None and self.cache.is_packed(layer_idx)  # read this step's rows exact
         if plan.decode_blocks is not None and not plan.chunks:  # a pure decode step
             kk, vv = self.cache.gather(layer_idx, plan.decode_blocks, q.dtype)
+            if fresh_exact:
+                _put_decode_rows(kk, vv, k, v, plan.decode_new_key)
             return _attend_decode(q, kk, vv, plan, params)
         out = torch.empty_like(q)
         if plan.decode_blocks is not None:
             rows = batch.decode_rows
             kk, vv = self.cache.gather(layer_idx, plan.decode_blocks, q.dtype)
+            if fresh_exact:
+                _put_decode_rows(kk, vv, k[rows], v[rows], plan.decode_new_key)
             out[rows] = _attend_decode(q[rows], kk, vv, plan, params)
-        fresh_ok = k is not None and self.cache.stores_exactly(layer_idx, q.dtype)
-        for i, rows, blocks, allowed in plan.chunks:
+        fresh_ok = k is not None and (fresh_exact or self.cache.stores_exactly(layer_idx, q.dtype))
+        for i, rows, blocks, allowed, key_start in plan.chunks:
             n = rows.stop - rows.start
             if fresh_ok and batch.first_positions[i] == 0 and (params.window or n) >= n and params.softcap is None:
-                # A whole prompt in one chunk: its keys are exactly this step's k/v (stored as-is).
+                # A whole prompt in one chunk: its keys are exactly this step's k/v.
                 # 4-D inputs: CPU SDPA takes its flash kernel only for those (3-D runs the math path).
                 out[rows] = F.scaled_dot_product_attention(
                     q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None],
@@ -225,5 +236,14 @@ class PagedAttentionBackend:
                 )[0].transpose(0, 1)
                 continue
             kk, vv = self.cache.gather(layer_idx, blocks, q.dtype)
+            if fresh_exact:
+                at = batch.first_positions[i] - key_start
+                kk[0, at:at + n], vv[0, at:at + n] = k[rows], v[rows]
             out[rows] = _attend(q[rows].unsqueeze(0), kk, vv, allowed, params).squeeze(0)
         return out
+
+
+def _put_decode_rows(kk: torch.Tensor, vv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor) -> None:
+    """Overwrite each decoding sequence's own new key/value (read back from the cache) with the exact one."""
+    seqs = torch.arange(kk.shape[0])
+    kk[seqs, at], vv[seqs, at] = k.to(kk.dtype), v.to(vv.dtype)

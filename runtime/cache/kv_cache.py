@@ -277,6 +277,10 @@ class KVCache:
         for layer_cache in self.packed[g]:
             layer_cache.release(block)
 
+    def is_packed(self, layer: int) -> bool:
+        """Whether ``layer``'s cache is int4/int2 (packed, quantized a block at a time)."""
+        return isinstance(self.layers[layer], PackedLayerCache)
+
     def stores_exactly(self, layer: int, dtype: torch.dtype) -> bool:
         """Whether ``layer``'s cache keeps K/V of ``dtype`` unchanged (no quantization, same dtype)."""
         lc = self.layers[layer]

@@ -292,12 +292,14 @@ class Engine:
     def score(self, token_ids: Seq[int], pieces: Seq[int] | None = None) -> torch.Tensor:
         """fp32 logits ``[T, vocab]`` of every position of one sequence, computed through the
         paged cache (so quantized KV is read back as served), fed in ``pieces`` (token counts
-        that sum to T; default: chunks of ``max_num_batched_tokens``). Call between steps; the
-        sequence's blocks are freed before returning."""
+        that sum to T; default: chunks of ``max_num_batched_tokens``, or of one block with int4/int2
+        KV, so that every token reads what it would when decoded: earlier blocks quantized, its own
+        block exact). Call between steps; the sequence's blocks are freed before returning."""
         ids = [int(t) for t in token_ids]
         if not 0 < len(ids) <= self.max_model_len:
             raise KvslimError(f"score needs 1..{self.max_model_len} tokens, got {len(ids)}")
-        chunk = self.config.max_num_batched_tokens
+        low_bit = any(g.bits for g in self.kv_spec.groups)
+        chunk = self.block_size if low_bit else self.config.max_num_batched_tokens
         sizes = list(pieces) if pieces is not None else [min(chunk, len(ids) - a) for a in range(0, len(ids), chunk)]
         if sum(sizes) != len(ids) or min(sizes) < 1:
             raise KvslimError(f"score: pieces {sizes} must be positive and sum to the {len(ids)} tokens")
