@@ -18,6 +18,8 @@ programs (flash-decoding) and merge the partial softmaxes.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -35,6 +37,67 @@ SPLIT_MIN_TOKENS = 256  # a decode split covers at least this many cached tokens
 
 
 @triton.jit
+def _query_rows(context_lens_ptr, seq, q_block, kvh, q_len, QPK: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_Q: tl.constexpr):
+    """Rows of the ``[BLOCK_M, D]`` query tile are (token, head-in-group) pairs: row r = token
+    ``r // QPK``, head ``r % QPK``. Returns the context length and, per row: token, head,
+    validity and position."""
+    ctx = tl.load(context_lens_ptr + seq)
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_block * BLOCK_Q + rows // QPK
+    head = kvh * QPK + rows % QPK
+    row_ok = (rows // QPK < BLOCK_Q) & (tok < q_len)
+    q_pos = ctx - q_len + tok
+    return ctx, tok, head, row_ok, q_pos
+
+
+@triton.jit
+def _split_range(ctx, q_len, q_block, split, window, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+                 NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr):
+    """Keys this tile of queries can see, then this program's share of them: ``[lo, hi)``."""
+    first_pos = ctx - q_len  # position of the sequence's first new token
+    hi = tl.minimum(ctx, first_pos + (q_block + 1) * BLOCK_Q)
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(first_pos + q_block * BLOCK_Q - window + 1, 0)
+    per_split = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_lo = lo + split * per_split
+    return split_lo, tl.minimum(hi, split_lo + per_split)
+
+
+@triton.jit
+def _attend_tile(q, k, v, m_i, l_i, acc, offs_j, j_ok, q_pos, row_ok, sm_scale, softcap, window,
+                 USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr):
+    """One online-softmax step over a ``[BLOCK_N, D]`` tile of keys and values at ``offs_j``."""
+    s = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale
+    if USE_SOFTCAP:
+        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))  # softcap * tanh(s / softcap)
+    allowed = row_ok[:, None] & j_ok[None, :] & (offs_j[None, :] <= q_pos[:, None])
+    if USE_WINDOW:
+        allowed = allowed & (q_pos[:, None] - offs_j[None, :] < window)
+    s = tl.where(allowed, s * 1.4426950408889634, float("-inf"))  # log2(e): softmax in base 2
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _store_output(out_ptr, lse_ptr, acc, m_i, l_i, split, q_start, tok, head, row_ok, offs_d, d_ok,
+                stride_ot, stride_oh, stride_osplit, stride_lt, stride_lsplit, NUM_SPLITS: tl.constexpr):
+    """Normalise and store this program's rows (and, split, their base-2 log-sum-exp)."""
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o_ptrs = out_ptr + split * stride_osplit + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if NUM_SPLITS > 1:
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + split * stride_lsplit + (q_start + tok) * stride_lt + head, lse, mask=row_ok)
+
+
+@triton.jit
 def paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     block_tables_ptr, context_lens_ptr, query_start_ptr, out_ptr, lse_ptr,
@@ -45,8 +108,7 @@ def paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     KV_QUANT: tl.constexpr, SCALE_PER_TOKEN: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
 ):
-    """Grid ``(S, cdiv(max_q_len, BLOCK_Q), KVH * NUM_SPLITS)``. Rows of the ``[BLOCK_M, D]``
-    query tile are (token, head-in-group) pairs: row r = token ``r // QPK``, head ``r % QPK``."""
+    """Grid ``(S, cdiv(max_q_len, BLOCK_Q), KVH * NUM_SPLITS)`` (query tile rows: ``_query_rows``)."""
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
     kvh = tl.program_id(2) // NUM_SPLITS
@@ -56,27 +118,12 @@ def paged_attention_kernel(
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
     if q_block * BLOCK_Q >= q_len:
         return
-    ctx = tl.load(context_lens_ptr + seq)
-    first_pos = ctx - q_len  # position of the sequence's first new token
-
-    rows = tl.arange(0, BLOCK_M)
-    tok = q_block * BLOCK_Q + rows // QPK
-    head = kvh * QPK + rows % QPK
-    row_ok = (rows // QPK < BLOCK_Q) & (tok < q_len)
-    q_pos = first_pos + tok
+    ctx, tok, head, row_ok, q_pos = _query_rows(context_lens_ptr, seq, q_block, kvh, q_len, QPK, BLOCK_M, BLOCK_Q)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-
-    # Keys this tile of queries can see, then this program's share of them.
-    hi = tl.minimum(ctx, first_pos + (q_block + 1) * BLOCK_Q)
-    lo = 0
-    if USE_WINDOW:
-        lo = tl.maximum(first_pos + q_block * BLOCK_Q - window + 1, 0)
-    per_split = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    split_lo = lo + split * per_split
-    split_hi = tl.minimum(hi, split_lo + per_split)
+    split_lo, split_hi = _split_range(ctx, q_len, q_block, split, window, BLOCK_Q, BLOCK_N, NUM_SPLITS, USE_WINDOW)
 
     if KV_QUANT:
         if not SCALE_PER_TOKEN:
@@ -102,44 +149,33 @@ def paged_attention_kernel(
             else:
                 k = k.to(tl.float32) * k_scalar
                 v = v.to(tl.float32) * v_scalar
-        s = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale
-        if USE_SOFTCAP:
-            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))  # softcap * tanh(s / softcap)
-        allowed = row_ok[:, None] & j_ok[None, :] & (offs_j[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            allowed = allowed & (q_pos[:, None] - offs_j[None, :] < window)
-        s = tl.where(allowed, s * 1.4426950408889634, float("-inf"))  # log2(e): softmax in base 2
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, offs_j, j_ok, q_pos, row_ok, sm_scale, softcap,
+                                     window, USE_WINDOW, USE_SOFTCAP)
 
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    o_ptrs = out_ptr + split * stride_osplit + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    if NUM_SPLITS > 1:
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + split * stride_lsplit + (q_start + tok) * stride_lt + head, lse, mask=row_ok)
+    _store_output(out_ptr, lse_ptr, acc, m_i, l_i, split, q_start, tok, head, row_ok, offs_d, d_ok,
+                stride_ot, stride_oh, stride_osplit, stride_lt, stride_lsplit, NUM_SPLITS)
 
 
 # --------------------------------------------------------------------------- checks
-def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, k_scale, v_scale) -> bool:
-    check_kv_cache(k_cache, v_cache)
-    per_token = check_kv_scales(k_cache, k_scale, v_scale)
-    if q.dim() != 3 or q.shape[2] != k_cache.shape[3]:
-        raise KvslimError(f"q must be [tokens, heads, {k_cache.shape[3]}], got {tuple(q.shape)}")
+def check_attention_inputs(q, head_dim: int, kv_heads: int, block_tables, context_lens, query_start_loc) -> None:
+    """q against the cache's head shape, and the batch metadata's dtypes, shapes and device."""
+    if q.dim() != 3 or q.shape[2] != head_dim:
+        raise KvslimError(f"q must be [tokens, heads, {head_dim}], got {tuple(q.shape)}")
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise KvslimError(f"q dtype {q.dtype} is not bf16/fp16/fp32")
-    if q.shape[1] % k_cache.shape[2]:
-        raise KvslimError(f"{q.shape[1]} query heads are not a multiple of {k_cache.shape[2]} KV heads")
+    if q.shape[1] % kv_heads:
+        raise KvslimError(f"{q.shape[1]} query heads are not a multiple of {kv_heads} KV heads")
     S = context_lens.shape[0]
     for name, t, shape in (("block_tables", block_tables, (S, block_tables.shape[-1])),
                            ("context_lens", context_lens, (S,)), ("query_start_loc", query_start_loc, (S + 1,))):
         if t.dtype != torch.int32 or tuple(t.shape) != shape or t.device != q.device:
             raise KvslimError(f"{name} must be int32 {list(shape)} on {q.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, k_scale, v_scale) -> bool:
+    check_kv_cache(k_cache, v_cache)
+    per_token = check_kv_scales(k_cache, k_scale, v_scale)
+    check_attention_inputs(q, k_cache.shape[3], k_cache.shape[2], block_tables, context_lens, query_start_loc)
     return per_token
 
 
@@ -151,12 +187,66 @@ def _num_splits(num_programs: int, max_q_len: int, max_context_len: int, device:
     return int(min(max(1, target // max(num_programs, 1)), by_work, 32))
 
 
-# --------------------------------------------------------------------------- wrapper
+# --------------------------------------------------------------------------- launch plan
 def attention_num_warps(block_m: int, head_dim: int) -> int:
     """8 warps for prefill tiles of wide heads (4 spill registers there), else 4."""
     return 8 if block_m >= 64 and head_dim >= 128 else 4
 
 
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Tiles, grid and output buffers of one attention launch (shared by the paged kernels)."""
+
+    block_m: int  # query tile rows: (token, head-in-group) pairs
+    block_q: int  # tokens per query tile
+    splits: int
+    grid: tuple[int, int, int]
+    out: torch.Tensor  # [T, H, D] in q's dtype, written directly when unsplit
+    target: torch.Tensor  # what the kernel writes: out as [1, T, H, D], or fp32 [splits, T, H, D]
+    lse: torch.Tensor  # fp32 [splits, T, H] when split (else out, unused)
+
+    @property
+    def lse_strides(self) -> tuple[int, int]:
+        return (self.lse.stride(1), self.lse.stride(0)) if self.splits > 1 else (0, 0)
+
+    def result(self) -> torch.Tensor:
+        """The output, split partial softmaxes merged."""
+        if self.splits == 1:
+            return self.out
+        weights = torch.softmax(self.lse * math.log(2.0), dim=0)  # base-2 lse -> natural, over splits
+        return (weights.unsqueeze(-1) * self.target).sum(0).to(self.out.dtype)
+
+
+def plan_launch(q: torch.Tensor, kvh: int, num_seqs: int, max_query_len: int, max_context_len: int,
+                num_splits: int | None) -> LaunchPlan:
+    """Query tiles, flash-decoding splits and output buffers for ``q`` over ``num_seqs`` sequences."""
+    T, H, D = q.shape
+    qpk = H // kvh
+    block_m = max(16, triton.next_power_of_2(qpk)) if max_query_len == 1 else max(64, triton.next_power_of_2(qpk))
+    block_q = block_m // qpk
+    splits = num_splits or _num_splits(num_seqs * kvh, max_query_len, max_context_len, q.device)
+    out = torch.empty_like(q)
+    if splits == 1:
+        target, lse = out.unsqueeze(0), out
+    else:
+        target = torch.empty((splits, T, H, D), device=q.device, dtype=torch.float32)
+        lse = torch.empty((splits, T, H), device=q.device, dtype=torch.float32)
+    grid = (num_seqs, triton.cdiv(max_query_len, block_q), kvh * splits)
+    return LaunchPlan(block_m, block_q, splits, grid, out, target, lse)
+
+
+def batch_maxima(query_start_loc: torch.Tensor, context_lens: torch.Tensor, max_query_len: int | None,
+                 max_context_len: int | None) -> tuple[int, int]:
+    """The longest query and context of the batch, read from the device only when not given."""
+    S = context_lens.shape[0]
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item()) if S else 0
+    if max_context_len is None:
+        max_context_len = int(context_lens.max().item()) if S else 0
+    return max_query_len, max_context_len
+
+
+# --------------------------------------------------------------------------- wrapper
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -179,44 +269,28 @@ def paged_attention(
     T, H, D = q.shape
     S = context_lens.shape[0]
     kvh = k_cache.shape[2]
-    qpk = H // kvh
-    if max_query_len is None:
-        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item()) if S else 0
     if T == 0 or S == 0:
         return torch.empty_like(q)
-    if max_context_len is None:
-        max_context_len = int(context_lens.max().item())
-    block_m = max(16, triton.next_power_of_2(qpk)) if max_query_len == 1 else max(64, triton.next_power_of_2(qpk))
-    block_q = block_m // qpk
-    splits = num_splits or _num_splits(S * kvh, max_query_len, max_context_len, q.device)
+    max_query_len, max_context_len = batch_maxima(query_start_loc, context_lens, max_query_len, max_context_len)
     q = q.contiguous()
+    plan = plan_launch(q, kvh, S, max_query_len, max_context_len, num_splits)
     quant = k_cache.dtype not in (torch.bfloat16, torch.float16, torch.float32)
-    if splits == 1:
-        out = torch.empty_like(q)
-        target, lse = out.unsqueeze(0), out
-    else:
-        target = torch.empty((splits, T, H, D), device=q.device, dtype=torch.float32)
-        lse = torch.empty((splits, T, H), device=q.device, dtype=torch.float32)
     ks = k_scale if quant else k_cache
     vs = v_scale if quant else k_cache
     stride_sb, stride_ss = (ks.stride(0), ks.stride(1)) if per_token else (0, 0)
-    grid = (S, triton.cdiv(max_query_len, block_q), kvh * splits)
-    paged_attention_kernel[grid](
-        q, k_cache, v_cache, ks, vs, block_tables, context_lens, query_start_loc, target, lse,
+    target = plan.target
+    paged_attention_kernel[plan.grid](
+        q, k_cache, v_cache, ks, vs, block_tables, context_lens, query_start_loc, target, plan.lse,
         float(scale), float(softcap or 1.0), int(window or 0), k_cache.shape[1],
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         stride_sb, stride_ss, block_tables.stride(0),
-        target.stride(1), target.stride(2), target.stride(0),
-        lse.stride(1) if splits > 1 else 0, lse.stride(0) if splits > 1 else 0,
-        QPK=qpk, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
-        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=32 if D <= 128 else 16, NUM_SPLITS=splits,
+        target.stride(1), target.stride(2), target.stride(0), *plan.lse_strides,
+        QPK=H // kvh, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_M=plan.block_m, BLOCK_Q=plan.block_q, BLOCK_N=32 if D <= 128 else 16, NUM_SPLITS=plan.splits,
         KV_QUANT=quant, SCALE_PER_TOKEN=per_token, USE_WINDOW=window is not None, USE_SOFTCAP=softcap is not None,
-        num_warps=attention_num_warps(block_m, D),
+        num_warps=attention_num_warps(plan.block_m, D),
     )
-    if splits == 1:
-        return out
-    weights = torch.softmax(lse * math.log(2.0), dim=0)  # base-2 lse -> natural, over splits
-    return (weights.unsqueeze(-1) * target).sum(0).to(q.dtype)
+    return plan.result()
 
 
 # --------------------------------------------------------------------------- reference (plain torch)
@@ -226,6 +300,30 @@ def gather_sequence_kv(
     """fp32 ``[length, KVH, D]`` rows of one sequence from a paged cache (dequantized)."""
     num_blocks = -(-length // cache.shape[1])
     return gather_blocks(cache, scale, block_table[:num_blocks].long(), torch.float32)[:length]
+
+
+def attend_sequences(
+    q: torch.Tensor,
+    gather: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """``reference_attention`` per sequence over the K, V ``[ctx, KVH, D]`` that ``gather(seq, ctx)``
+    returns (the references of every paged layout)."""
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    for s, ctx in enumerate(context_lens.tolist()):
+        a, b = starts[s], starts[s + 1]
+        if a == b:
+            continue
+        k, v = gather(s, ctx)
+        q_pos = torch.arange(ctx - (b - a), ctx, device=q.device)
+        k_pos = torch.arange(ctx, device=q.device)
+        out[a:b] = reference_attention(q[a:b].float(), k, v, q_pos, k_pos, scale, window, softcap).to(q.dtype)
+    return out
 
 
 def reference_paged_attention(
@@ -244,15 +342,9 @@ def reference_paged_attention(
     """Plain-torch oracle (and CPU path) for ``paged_attention``: per sequence, gather and
     dequantize its cache, then ``attention_backend.reference_attention``."""
     _check_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, k_scale, v_scale)
-    out = torch.empty_like(q)
-    starts = query_start_loc.tolist()
-    for s, ctx in enumerate(context_lens.tolist()):
-        a, b = starts[s], starts[s + 1]
-        if a == b:
-            continue
-        k = gather_sequence_kv(k_cache, k_scale, block_tables[s], ctx)
-        v = gather_sequence_kv(v_cache, v_scale, block_tables[s], ctx)
-        q_pos = torch.arange(ctx - (b - a), ctx, device=q.device)
-        k_pos = torch.arange(ctx, device=q.device)
-        out[a:b] = reference_attention(q[a:b].float(), k, v, q_pos, k_pos, scale, window, softcap).to(q.dtype)
-    return out
+
+    def gather(s: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (gather_sequence_kv(k_cache, k_scale, block_tables[s], ctx),
+                gather_sequence_kv(v_cache, v_scale, block_tables[s], ctx))
+
+    return attend_sequences(q, gather, context_lens, query_start_loc, scale, window, softcap)
