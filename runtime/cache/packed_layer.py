@@ -55,6 +55,20 @@ class PackedLayerCache:
             self.slot_of[block] = -1
             self._free.append(slot)
 
+    def open_for(self, slots: torch.Tensor) -> torch.Tensor:
+        """Give every block that ``slots`` write into a residual slot; return the blocks the write
+        fills (their last offset is among ``slots``), to quantize and then ``close``. (The kernel
+        path: every touched block holds a slot while the write runs.)"""
+        bs = self.block_size
+        for block in (slots // bs).unique().tolist():
+            self._open(block)
+        return (slots[slots % bs == bs - 1] // bs).unique()
+
+    def close(self, full: torch.Tensor) -> None:
+        """Give back the residual slots of ``full`` blocks, quantized now."""
+        for block in full.tolist():
+            self.release(block)
+
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store new rows ``[T, kvh, D]`` at ``slots [T]``; quantize every block this write fills.
 
