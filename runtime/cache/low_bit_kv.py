@@ -13,7 +13,7 @@ import torch
 LOW_BIT_KV: dict[str, int] = {"int4": 4, "int2": 2}  # KV dtype name -> bits
 PARAM_DTYPE = torch.float16
 PARAM_BYTES = 2
-_MIN_SCALE = 1e-6  # an all-equal channel or token gets a tiny scale, never a division by zero
+MIN_SCALE = 1e-6  # an all-equal channel or token gets a tiny scale, never a division by zero
 
 
 def default_block_size(kv_dtype: str) -> int:
@@ -47,7 +47,7 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
 def _quantize(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     levels = (1 << bits) - 1
     lo, hi = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
-    scale = ((hi - lo) / levels).clamp_min(_MIN_SCALE).to(PARAM_DTYPE)
+    scale = ((hi - lo) / levels).clamp_min(MIN_SCALE).to(PARAM_DTYPE)
     lo = lo.to(PARAM_DTYPE)
     # Codes from the fp16 parameters actually stored, so that dequantization inverts them.
     codes = torch.round((x - lo.float()) / scale.float()).clamp_(0, levels).to(torch.uint8)

@@ -1,0 +1,198 @@
+"""Write new K/V into a packed int4/int2 layer (``runtime.cache.packed_layer``) with Triton.
+
+``PackedLayerCache`` keeps the bookkeeping (``open_for`` gives each block a write touches a
+residual slot and names the blocks it fills, ``close`` gives their slots back); between the two,
+the data moves on the device:
+
+- ``residual_store_kernel``: token t's K/V rows ``[kvh, D]`` into its block's residual slot
+  ``slot_of[slot // block_size]`` at offset ``slot % block_size`` (in the residual dtype);
+- ``quantize_blocks_kernel``: every filled block from its residual rows, as
+  ``low_bit_kv._quantize``: keys per channel over the block's tokens, values per token and head;
+  ``scale = fp16(max((hi - lo) / levels, 1e-6))``, ``minimum = fp16(lo)``, and codes
+  ``round_half_even((x - minimum) / scale)`` clamped to ``[0, levels]`` from those fp16
+  parameters (IEEE division, so the codes are the torch path's bit for bit), packed ``8 // bits``
+  to a byte along head_dim, low bits first.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from foundation.errors import KvslimError
+from runtime.cache.low_bit_kv import MIN_SCALE, PARAM_DTYPE, packed_dim
+from runtime.cache.packed_layer import PackedLayerCache
+from runtime.kernels.kv_store import _round_half_even, _store_one
+
+RESIDUAL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def residual_store_kernel(
+    k_ptr, v_ptr, k_residual_ptr, v_residual_ptr, slot_of_ptr, slot_ptr,
+    num_kv_heads, head_dim, block_size,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_rb, stride_rs, stride_rh,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Grid ``(T,)``: program t writes token t's K and V rows into its block's residual slot."""
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token)
+    if slot < 0:
+        return
+    row = tl.load(slot_of_ptr + slot // block_size) * block_size + slot % block_size  # in the residual blocks
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_ok = offs_h < num_kv_heads
+    ok = h_ok[:, None] & (offs_d[None, :] < head_dim)
+    _store_one(k_ptr, k_residual_ptr, k_residual_ptr, token, row, block_size, stride_kt, stride_kh,
+               stride_rb, stride_rs, stride_rh, 0, 0, offs_h, offs_d, ok, h_ok,
+               False, False, False, 1.0, 1.0)
+    _store_one(v_ptr, v_residual_ptr, v_residual_ptr, token, row, block_size, stride_vt, stride_vh,
+               stride_rb, stride_rs, stride_rh, 0, 0, offs_h, offs_d, ok, h_ok,
+               False, False, False, 1.0, 1.0)
+
+
+@triton.jit
+def _params(lo, hi, LEVELS: tl.constexpr, MIN_SCALE_: tl.constexpr):
+    """fp16 scale and minimum of the range ``[lo, hi]``."""
+    scale = tl.maximum(tl.math.div_rn(hi - lo, LEVELS * 1.0), MIN_SCALE_)
+    return scale.to(tl.float16), lo.to(tl.float16)
+
+
+@triton.jit
+def _codes(x, scale, lo, LEVELS: tl.constexpr):
+    """int32 codes of fp32 ``x`` under fp16 ``scale`` and ``lo`` (broadcast to x)."""
+    c = _round_half_even(tl.math.div_rn(x - lo.to(tl.float32), scale.to(tl.float32)))
+    return tl.minimum(tl.maximum(c, 0.0), LEVELS * 1.0).to(tl.int32)
+
+
+@triton.jit
+def quantize_blocks_kernel(
+    k_residual_ptr, v_residual_ptr, slot_of_ptr, blocks_ptr,
+    k_codes_ptr, v_codes_ptr, k_scale_ptr, k_min_ptr, v_scale_ptr, v_min_ptr,
+    block_size, bytes_per_row,
+    stride_rb, stride_rs, stride_rh, stride_cb, stride_cs, stride_ch,
+    stride_kpb, stride_kph, stride_vpb, stride_vps,
+    BITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, MIN_SCALE_: tl.constexpr,
+):
+    """Grid ``(num_blocks, kvh)``: program (i, h) quantizes head h of block ``blocks[i]``.
+    Byte p of a packed row holds channels ``p * PER + j``, j < PER, so each pass j reads one
+    ``[BLOCK_S, BLOCK_P]`` tile of channels and ORs its codes in at bit ``j * BITS``."""
+    PER: tl.constexpr = 8 // BITS
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    blk = tl.load(blocks_ptr + tl.program_id(0)).to(tl.int64)
+    head = tl.program_id(1)
+    rslot = tl.load(slot_of_ptr + blk)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_p = tl.arange(0, BLOCK_P)
+    s_ok = offs_s < block_size
+    p_ok = offs_p < bytes_per_row
+    ok = s_ok[:, None] & p_ok[None, :]
+    rows = rslot * stride_rb + offs_s[:, None] * stride_rs + head * stride_rh
+    packed_at = blk * stride_cb + offs_s[:, None] * stride_cs + head * stride_ch + offs_p[None, :]
+
+    # Keys: one range per channel over the block's tokens.
+    packed = tl.zeros((BLOCK_S, BLOCK_P), dtype=tl.int32)
+    for j in tl.static_range(PER):
+        d = offs_p * PER + j
+        x = tl.load(k_residual_ptr + rows + d[None, :], mask=ok, other=0.0).to(tl.float32)
+        lo = tl.min(tl.where(ok, x, float("inf")), axis=0)
+        hi = tl.max(tl.where(ok, x, float("-inf")), axis=0)
+        scale, lo = _params(lo, hi, LEVELS, MIN_SCALE_)
+        tl.store(k_scale_ptr + blk * stride_kpb + head * stride_kph + d, scale, mask=p_ok)
+        tl.store(k_min_ptr + blk * stride_kpb + head * stride_kph + d, lo, mask=p_ok)
+        packed = packed | (_codes(x, scale[None, :], lo[None, :], LEVELS) << (j * BITS))
+    tl.store(k_codes_ptr + packed_at, packed.to(tl.uint8), mask=ok)
+
+    # Values: one range per token over head_dim.
+    lo = tl.full((BLOCK_S,), float("inf"), dtype=tl.float32)
+    hi = tl.full((BLOCK_S,), float("-inf"), dtype=tl.float32)
+    for j in tl.static_range(PER):
+        x = tl.load(v_residual_ptr + rows + (offs_p * PER + j)[None, :], mask=ok, other=0.0).to(tl.float32)
+        lo = tl.minimum(lo, tl.min(tl.where(ok, x, float("inf")), axis=1))
+        hi = tl.maximum(hi, tl.max(tl.where(ok, x, float("-inf")), axis=1))
+    scale, lo = _params(lo, hi, LEVELS, MIN_SCALE_)
+    tl.store(v_scale_ptr + blk * stride_vpb + offs_s * stride_vps + head, scale, mask=s_ok)
+    tl.store(v_min_ptr + blk * stride_vpb + offs_s * stride_vps + head, lo, mask=s_ok)
+    packed = tl.zeros((BLOCK_S, BLOCK_P), dtype=tl.int32)
+    for j in tl.static_range(PER):
+        x = tl.load(v_residual_ptr + rows + (offs_p * PER + j)[None, :], mask=ok, other=0.0).to(tl.float32)
+        packed = packed | (_codes(x, scale[:, None], lo[:, None], LEVELS) << (j * BITS))
+    tl.store(v_codes_ptr + packed_at, packed.to(tl.uint8), mask=ok)
+
+
+# --------------------------------------------------------------------------- checks
+def check_packed_layer(cache: PackedLayerCache) -> None:
+    """The tensor layout the packed kernels index: dtypes, shapes and unit innermost strides."""
+    res, codes = cache.k_residual, cache.k_codes
+    if res.dim() != 4 or cache.v_residual.shape != res.shape or res.dtype not in RESIDUAL_DTYPES:
+        raise KvslimError(f"residual K/V must be equal [slots, block_size, kv_heads, head_dim] bf16/fp16/fp32, got "
+                          f"{tuple(res.shape)} {res.dtype} and {tuple(cache.v_residual.shape)}")
+    n, bs, kvh, d = codes.shape[0], res.shape[1], res.shape[2], res.shape[3]
+    expected = {
+        "k_codes": ((n, bs, kvh, packed_dim(d, cache.bits)), torch.uint8), "v_codes": ((n, bs, kvh, packed_dim(d, cache.bits)), torch.uint8),
+        "k_scale": ((n, kvh, d), PARAM_DTYPE), "k_min": ((n, kvh, d), PARAM_DTYPE),
+        "v_scale": ((n, bs, kvh), PARAM_DTYPE), "v_min": ((n, bs, kvh), PARAM_DTYPE),
+    }
+    for name, (shape, dtype) in expected.items():
+        t = getattr(cache, name)
+        if tuple(t.shape) != shape or t.dtype != dtype or t.stride(-1) != 1 or t.device != res.device:
+            raise KvslimError(f"{name} must be {dtype} {list(shape)} with unit stride on {res.device}, "
+                              f"got {t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}")
+    pairs = (("k_codes", "v_codes"), ("k_scale", "k_min"), ("v_scale", "v_min"), ("k_residual", "v_residual"))
+    if res.stride(-1) != 1 or any(getattr(cache, a).stride() != getattr(cache, b).stride() for a, b in pairs):
+        raise KvslimError("packed K and V tensors (and each scale and its minimum) must have equal strides, unit on the last dim")
+    if cache.slot_of.dtype != torch.int64 or tuple(cache.slot_of.shape) != (n,):
+        raise KvslimError(f"slot_of must be int64 [{n}], got {cache.slot_of.dtype} {tuple(cache.slot_of.shape)}")
+
+
+def _check_store(k, v, cache: PackedLayerCache, slot_mapping) -> None:
+    check_packed_layer(cache)
+    expected = (k.shape[0], *cache.k_residual.shape[2:])
+    if tuple(k.shape) != expected or tuple(v.shape) != expected:
+        raise KvslimError(f"new k/v must be {list(expected)}, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if slot_mapping.dtype != torch.int64 or tuple(slot_mapping.shape) != (k.shape[0],):
+        raise KvslimError(f"slot_mapping must be int64 [{k.shape[0]}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+
+
+# --------------------------------------------------------------------------- wrapper
+def quantize_num_warps(block_size: int, head_dim: int) -> int:
+    """Warps for one (block, head) of ``quantize_blocks_kernel``: about 16 elements per thread per
+    channel tile (fewer warps spill registers at block 64, head_dim 128)."""
+    return min(16, max(4, triton.next_power_of_2(block_size) * triton.next_power_of_2(head_dim) // 512))
+
+
+def store_packed_kv(k: torch.Tensor, v: torch.Tensor, cache: PackedLayerCache, slot_mapping: torch.Tensor) -> None:
+    """Write ``k``, ``v`` ``[T, KVH, D]`` at ``slot_mapping`` and quantize the blocks they fill
+    (``PackedLayerCache.write`` on the device)."""
+    _check_store(k, v, cache, slot_mapping)
+    full = cache.open_for(slot_mapping)
+    k, v = k.contiguous(), v.contiguous()
+    T, kvh, d = k.shape
+    res = cache.k_residual
+    bs = res.shape[1]
+    if T:
+        residual_store_kernel[(T,)](
+            k, v, res, cache.v_residual, cache.slot_of, slot_mapping, kvh, d, bs,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), res.stride(0), res.stride(1), res.stride(2),
+            BLOCK_H=triton.next_power_of_2(kvh), BLOCK_D=triton.next_power_of_2(d),
+        )
+    if full.numel():
+        codes, ks, vs = cache.k_codes, cache.k_scale, cache.v_scale
+        quantize_blocks_kernel[(full.numel(), kvh)](
+            res, cache.v_residual, cache.slot_of, full,
+            codes, cache.v_codes, ks, cache.k_min, vs, cache.v_min,
+            bs, codes.shape[-1],
+            res.stride(0), res.stride(1), res.stride(2), codes.stride(0), codes.stride(1), codes.stride(2),
+            ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
+            BITS=cache.bits, BLOCK_S=triton.next_power_of_2(bs), BLOCK_P=triton.next_power_of_2(codes.shape[-1]),
+            MIN_SCALE_=MIN_SCALE, num_warps=quantize_num_warps(bs, d),
+        )
+    cache.close(full)
+
+
+# --------------------------------------------------------------------------- reference (plain torch)
+def reference_store_packed_kv(k: torch.Tensor, v: torch.Tensor, cache: PackedLayerCache, slot_mapping: torch.Tensor) -> None:
+    """Plain-torch oracle (and CPU path) for ``store_packed_kv``: ``PackedLayerCache.write``."""
+    _check_store(k, v, cache, slot_mapping)
+    cache.write(k, v, slot_mapping)
