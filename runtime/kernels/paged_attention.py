@@ -53,13 +53,16 @@ def _query_rows(context_lens_ptr, seq, q_block, kvh, q_len, QPK: tl.constexpr, B
 
 @triton.jit
 def _split_range(ctx, q_len, q_block, split, window, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-                 NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr):
-    """Keys this tile of queries can see, then this program's share of them: ``[lo, hi)``."""
+                 NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, ALIGN: tl.constexpr):
+    """Keys this tile of queries can see, then this program's share of them: ``[lo, hi)``;
+    ``ALIGN``: lo rounded down to a multiple of BLOCK_N (keys below the window are masked)."""
     first_pos = ctx - q_len  # position of the sequence's first new token
     hi = tl.minimum(ctx, first_pos + (q_block + 1) * BLOCK_Q)
     lo = 0
     if USE_WINDOW:
         lo = tl.maximum(first_pos + q_block * BLOCK_Q - window + 1, 0)
+        if ALIGN:
+            lo = lo // BLOCK_N * BLOCK_N
     per_split = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
     split_lo = lo + split * per_split
     return split_lo, tl.minimum(hi, split_lo + per_split)
@@ -123,7 +126,8 @@ def paged_attention_kernel(
     d_ok = offs_d < HEAD_DIM
     q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    split_lo, split_hi = _split_range(ctx, q_len, q_block, split, window, BLOCK_Q, BLOCK_N, NUM_SPLITS, USE_WINDOW)
+    split_lo, split_hi = _split_range(ctx, q_len, q_block, split, window, BLOCK_Q, BLOCK_N, NUM_SPLITS, USE_WINDOW,
+                                      False)
 
     if KV_QUANT:
         if not SCALE_PER_TOKEN:

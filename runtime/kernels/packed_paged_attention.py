@@ -1,0 +1,221 @@
+"""Paged attention over a packed int4/int2 layer (``runtime.cache.packed_layer``): decode,
+prefill and extend in one kernel, as ``paged_attention`` over the same batch metadata.
+
+The query tile, the key range, the online softmax, the flash-decoding splits and their merge
+are ``paged_attention``'s. Only the reading of a K/V tile differs: each key's block is read from
+its residual rows when it is open (``slot_of[block] >= 0``), else from its packed codes,
+unpacked and dequantized in registers as ``minimum + code * scale`` (keys with the block's
+per-channel parameters, values with their per-token ones), in fp32.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from runtime.cache.packed_layer import PackedLayerCache
+from runtime.kernels.packed_kv_store import check_packed_layer
+from runtime.kernels.paged_attention import (
+    _attend_tile,
+    _query_rows,
+    _split_range,
+    _store_output,
+    attend_sequences,
+    attention_num_warps,
+    batch_maxima,
+    check_attention_inputs,
+    plan_launch,
+)
+
+
+@triton.jit
+def _unpack(packed, BITS: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """uint8 ``[ROWS, BLOCK_D // PER]`` -> fp32 codes ``[ROWS, BLOCK_D]``: channel
+    ``p * PER + j`` is bits ``[j * BITS, (j + 1) * BITS)`` of byte p."""
+    PER: tl.constexpr = 8 // BITS
+    shifts = tl.arange(0, PER) * BITS
+    codes = (packed.to(tl.int32)[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+    return tl.reshape(codes, (ROWS, BLOCK_D)).to(tl.float32)
+
+
+@triton.jit
+def _tile_rows(codes_ptr, residual_ptr, code_rows, res_rows, offs_p, offs_d, closed, opened, p_ok, d_ok,
+               BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """fp32 codes of the closed rows and residual values of the open rows of a
+    ``[BLOCK_N, BLOCK_D]`` tile (0 elsewhere); ``*_rows``: per-row offsets."""
+    packed = tl.load(codes_ptr + code_rows[:, None] + offs_p[None, :], mask=closed[:, None] & p_ok[None, :], other=0)
+    residual = tl.load(residual_ptr + res_rows[:, None] + offs_d[None, :], mask=opened[:, None] & d_ok[None, :], other=0.0)
+    return _unpack(packed, BITS, BLOCK_N, BLOCK_D), residual.to(tl.float32)
+
+
+@triton.jit
+def packed_paged_attention_kernel(
+    q_ptr, k_codes_ptr, v_codes_ptr, k_scale_ptr, k_min_ptr, v_scale_ptr, v_min_ptr,
+    k_residual_ptr, v_residual_ptr, slot_of_ptr,
+    block_tables_ptr, context_lens_ptr, query_start_ptr, out_ptr, lse_ptr,
+    sm_scale, softcap, window, block_size,
+    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_kpb, stride_kph, stride_vpb, stride_vps,
+    stride_rb, stride_rs, stride_rh, stride_bt,
+    stride_ot, stride_oh, stride_osplit, stride_lt, stride_lsplit,
+    BITS: tl.constexpr, QPK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    TILE_IN_BLOCK: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+):
+    """Grid ``(S, cdiv(max_q_len, BLOCK_Q), KVH * NUM_SPLITS)``, as ``paged_attention_kernel``.
+    ``TILE_IN_BLOCK`` (``block_size % BLOCK_N == 0``): key tiles start at multiples of
+    BLOCK_N, so each lies in one KV block, read whole from its residual or its codes with one row
+    of key parameters; otherwise every key of a tile is looked up on its own."""
+    seq = tl.program_id(0)
+    q_block = tl.program_id(1)
+    kvh = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:
+        return
+    ctx, tok, head, row_ok, q_pos = _query_rows(context_lens_ptr, seq, q_block, kvh, q_len, QPK, BLOCK_M, BLOCK_Q)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    split_lo, split_hi = _split_range(ctx, q_len, q_block, split, window, BLOCK_Q, BLOCK_N, NUM_SPLITS, USE_WINDOW,
+                                      TILE_IN_BLOCK)
+
+    BLOCK_P: tl.constexpr = BLOCK_D // (8 // BITS)
+    offs_p = tl.arange(0, BLOCK_P)
+    p_ok = offs_p < HEAD_DIM // (8 // BITS)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for j0 in range(split_lo, split_hi, BLOCK_N):
+        offs_j = j0 + tl.arange(0, BLOCK_N)
+        j_ok = offs_j < split_hi
+        off = offs_j % block_size
+        if TILE_IN_BLOCK:
+            blk = tl.load(block_tables_ptr + seq * stride_bt + j0 // block_size).to(tl.int64)
+            rslot = tl.load(slot_of_ptr + blk)
+            if rslot >= 0:
+                res_rows = rslot * stride_rb + off * stride_rs + kvh * stride_rh
+                k = tl.load(k_residual_ptr + res_rows[:, None] + offs_d[None, :], mask=j_ok[:, None] & d_ok[None, :],
+                            other=0.0).to(tl.float32)
+                v = tl.load(v_residual_ptr + res_rows[:, None] + offs_d[None, :], mask=j_ok[:, None] & d_ok[None, :],
+                            other=0.0).to(tl.float32)
+            else:
+                code_at = (blk * stride_cb + off * stride_cs + kvh * stride_ch)[:, None] + offs_p[None, :]
+                c_mask = j_ok[:, None] & p_ok[None, :]
+                k_par = blk * stride_kpb + kvh * stride_kph + offs_d
+                k = (_unpack(tl.load(k_codes_ptr + code_at, mask=c_mask, other=0), BITS, BLOCK_N, BLOCK_D)
+                     * tl.load(k_scale_ptr + k_par, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+                     + tl.load(k_min_ptr + k_par, mask=d_ok, other=0.0).to(tl.float32)[None, :])
+                v_par = blk * stride_vpb + off * stride_vps + kvh
+                v = (_unpack(tl.load(v_codes_ptr + code_at, mask=c_mask, other=0), BITS, BLOCK_N, BLOCK_D)
+                     * tl.load(v_scale_ptr + v_par, mask=j_ok, other=0.0).to(tl.float32)[:, None]
+                     + tl.load(v_min_ptr + v_par, mask=j_ok, other=0.0).to(tl.float32)[:, None])
+        else:
+            blk = tl.load(block_tables_ptr + seq * stride_bt + offs_j // block_size, mask=j_ok, other=0).to(tl.int64)
+            rslot = tl.load(slot_of_ptr + blk, mask=j_ok, other=-1)
+            opened = j_ok & (rslot >= 0)
+            closed = j_ok & (rslot < 0)
+            code_rows = blk * stride_cb + off * stride_cs + kvh * stride_ch
+            res_rows = rslot * stride_rb + off * stride_rs + kvh * stride_rh
+            kc, kr = _tile_rows(k_codes_ptr, k_residual_ptr, code_rows, res_rows, offs_p, offs_d, closed, opened,
+                                p_ok, d_ok, BITS, BLOCK_N, BLOCK_D)
+            vc, vr = _tile_rows(v_codes_ptr, v_residual_ptr, code_rows, res_rows, offs_p, offs_d, closed, opened,
+                                p_ok, d_ok, BITS, BLOCK_N, BLOCK_D)
+            k_par = (blk * stride_kpb + kvh * stride_kph)[:, None] + offs_d[None, :]
+            k_mask = closed[:, None] & d_ok[None, :]
+            k = kc * tl.load(k_scale_ptr + k_par, mask=k_mask, other=0.0).to(tl.float32) \
+                + tl.load(k_min_ptr + k_par, mask=k_mask, other=0.0).to(tl.float32)
+            v_par = blk * stride_vpb + off * stride_vps + kvh
+            v = vc * tl.load(v_scale_ptr + v_par, mask=closed, other=0.0).to(tl.float32)[:, None] \
+                + tl.load(v_min_ptr + v_par, mask=closed, other=0.0).to(tl.float32)[:, None]
+            k = tl.where(opened[:, None], kr, k)
+            v = tl.where(opened[:, None], vr, v)
+        m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, offs_j, j_ok, q_pos, row_ok, sm_scale, softcap,
+                                     window, USE_WINDOW, USE_SOFTCAP)
+
+    _store_output(out_ptr, lse_ptr, acc, m_i, l_i, split, q_start, tok, head, row_ok, offs_d, d_ok,
+                  stride_ot, stride_oh, stride_osplit, stride_lt, stride_lsplit, NUM_SPLITS)
+
+
+def key_tile(block_size: int, head_dim: int) -> tuple[int, bool]:
+    """Keys per tile (BLOCK_N) and whether every tile lies in one KV block: 32 (16 for head_dim
+    over 128) where the block size allows, else 16 keys looked up one by one (more spill)."""
+    for n in (32, 16) if head_dim <= 128 else (16,):
+        if block_size % n == 0:
+            return n, True
+    return 16, False
+
+
+def _check_inputs(q, cache: PackedLayerCache, block_tables, context_lens, query_start_loc) -> None:
+    check_packed_layer(cache)
+    _, _, kvh, d = cache.k_residual.shape
+    check_attention_inputs(q, d, kvh, block_tables, context_lens, query_start_loc)
+
+
+# --------------------------------------------------------------------------- wrapper
+def packed_paged_attention(
+    q: torch.Tensor,
+    cache: PackedLayerCache,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    max_query_len: int | None = None,
+    max_context_len: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of the step's tokens over their paged context in a packed layer (the
+    batch metadata and its meaning are ``paged_attention``'s). The step's K/V must be stored."""
+    _check_inputs(q, cache, block_tables, context_lens, query_start_loc)
+    T, H, D = q.shape
+    S = context_lens.shape[0]
+    if T == 0 or S == 0:
+        return torch.empty_like(q)
+    max_query_len, max_context_len = batch_maxima(query_start_loc, context_lens, max_query_len, max_context_len)
+    res, codes, ks, vs = cache.k_residual, cache.k_codes, cache.k_scale, cache.v_scale
+    kvh = res.shape[2]
+    q = q.contiguous()
+    plan = plan_launch(q, kvh, S, max_query_len, max_context_len, num_splits)
+    target = plan.target
+    block_n, in_block = key_tile(res.shape[1], D)
+    packed_paged_attention_kernel[plan.grid](
+        q, codes, cache.v_codes, ks, cache.k_min, vs, cache.v_min, res, cache.v_residual, cache.slot_of,
+        block_tables, context_lens, query_start_loc, target, plan.lse,
+        float(scale), float(softcap or 1.0), int(window or 0), res.shape[1],
+        q.stride(0), q.stride(1), codes.stride(0), codes.stride(1), codes.stride(2),
+        ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
+        res.stride(0), res.stride(1), res.stride(2), block_tables.stride(0),
+        target.stride(1), target.stride(2), target.stride(0), *plan.lse_strides,
+        BITS=cache.bits, QPK=H // kvh, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_M=plan.block_m, BLOCK_Q=plan.block_q, BLOCK_N=block_n, NUM_SPLITS=plan.splits,
+        TILE_IN_BLOCK=in_block, USE_WINDOW=window is not None, USE_SOFTCAP=softcap is not None,
+        num_warps=attention_num_warps(plan.block_m, D),
+    )
+    return plan.result()
+
+
+# --------------------------------------------------------------------------- reference (plain torch)
+def reference_packed_paged_attention(
+    q: torch.Tensor,
+    cache: PackedLayerCache,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Plain-torch oracle (and CPU path) for ``packed_paged_attention``: per sequence,
+    ``PackedLayerCache.gather`` in fp32, then ``reference_attention``."""
+    _check_inputs(q, cache, block_tables, context_lens, query_start_loc)
+    bs = cache.block_size
+
+    def gather(s: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = cache.gather(block_tables[s, : -(-ctx // bs)].long(), torch.float32)
+        return k[:ctx], v[:ctx]
+
+    return attend_sequences(q, gather, context_lens, query_start_loc, scale, window, softcap)
