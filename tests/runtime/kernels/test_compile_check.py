@@ -7,7 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from runtime.kernels import compile_check, dequant_matmul, kv_store, paged_attention
+from runtime.kernels import (
+    compile_check,
+    dequant_matmul,
+    kv_store,
+    packed_kv_store,
+    packed_paged_attention,
+    paged_attention,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -20,7 +27,7 @@ def launched_kernels(module) -> set[str]:
 
 def test_variants_cover_every_launched_kernel():
     covered = compile_check.kernel_names()
-    for module in (dequant_matmul, paged_attention, kv_store):
+    for module in (dequant_matmul, paged_attention, kv_store, packed_kv_store, packed_paged_attention):
         assert launched_kernels(module), module.__name__
         assert launched_kernels(module) <= covered.get(module.__name__, set()), module.__name__
 

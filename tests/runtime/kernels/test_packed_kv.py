@@ -1,0 +1,155 @@
+"""The Triton store and paged attention of packed int4/int2 KV against the torch path
+(``PackedLayerCache.write`` / ``gather`` and ``reference_attention``). On CPU the kernels run in
+the interpreter, in fp32 (fp32 queries and residual)."""
+import pytest
+import torch
+
+from foundation.errors import KvslimError
+from runtime.attention.backend import reference_attention
+from runtime.kernels import dispatch
+from runtime.kernels import packed_kv_store as pks
+from runtime.kernels import packed_paged_attention as ppa
+from tests.runtime.conftest import requires_gpu
+from tests.runtime.kernels.packed_setup import make_packed_batch, packed_layer
+
+TENSORS = ("k_codes", "v_codes", "k_scale", "k_min", "v_scale", "v_min", "k_residual", "v_residual", "slot_of")
+
+
+def assert_same_layer(ours, theirs) -> None:
+    """Bit for bit, codes included: the kernel divides with IEEE ``div_rn`` and rounds half to
+    even, as ``torch.round``, from the same fp16 parameters, so not even an exact rounding tie
+    may land on another code."""
+    for name in TENSORS:
+        assert torch.equal(getattr(ours, name).cpu(), getattr(theirs, name)), name
+    assert ours._free == theirs._free
+
+
+def rows(slots, seed, kvh=2, d=16, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(len(slots), kvh, d, generator=g)
+    v = torch.randn(len(slots), kvh, d, generator=g)
+    k[:, 0, 2] = 0.37  # a constant key channel: the minimum scale
+    k[:, 1, 5] *= 30.0  # an outlier key channel
+    v[0, 1] = -1.25  # a constant value row
+    return k.to(device), v.to(device), torch.tensor(slots, device=device)
+
+
+# block size 4: block b holds slots 4b..4b+3. Sequence A lives in blocks 0-3, B in 5-6.
+STEPS = [
+    [0, 1, 2],  # A opens block 0
+    [3, 4, 5, 6, 7, 8, 20, 21],  # A fills block 0 mid-write, then all of block 1, opens 2; B opens 5
+    [9, 22],  # decode
+    [10, 11, 23, 24],  # A fills 2; B fills 5 and opens 6
+]
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_store_matches_the_torch_path(device, bits):
+    ours = packed_layer(bits, block_size=4, num_blocks=8, residual_blocks=4, device=device)
+    theirs = packed_layer(bits, block_size=4, num_blocks=8, residual_blocks=4)
+    for i, slots in enumerate(STEPS):
+        k, v, s = rows(slots, i, device=device)
+        pks.store_packed_kv(k, v, ours, s)
+        pks.reference_store_packed_kv(k.cpu(), v.cpu(), theirs, s.cpu())
+        assert_same_layer(ours, theirs)
+    assert ours.open_blocks == 1  # block 6
+    for layer in (ours, theirs):  # B freed while its block is open: the slot goes back, block 3 reuses it
+        layer.release(6)
+    k, v, s = rows([12], 9, device=device)
+    pks.store_packed_kv(k, v, ours, s)
+    pks.reference_store_packed_kv(k.cpu(), v.cpu(), theirs, s.cpu())
+    assert_same_layer(ours, theirs)
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_exact_rounding_ties_take_the_even_code(device, bits):
+    """A key channel spanning [0, 15] (int4: scale 1) or [0, 7.5] (int2: scale 2.5) puts two
+    values exactly half way between codes."""
+    ours = packed_layer(bits, block_size=4, num_blocks=2, residual_blocks=1, device=device)
+    theirs = packed_layer(bits, block_size=4, num_blocks=2, residual_blocks=1)
+    k, v, s = rows([0, 1, 2, 3], 0, device=device)
+    k[:, 0, 0] = torch.tensor([0.0, 15.0, 2.5, 7.5] if bits == 4 else [0.0, 7.5, 1.25, 3.75], device=device)
+    pks.store_packed_kv(k, v, ours, s)
+    pks.reference_store_packed_kv(k.cpu(), v.cpu(), theirs, s.cpu())
+    assert_same_layer(ours, theirs)
+    first = int(ours.k_codes[0, 2, 0, 0].item()) & ((1 << bits) - 1), int(ours.k_codes[0, 3, 0, 0].item()) & ((1 << bits) - 1)
+    assert first == ((2, 8) if bits == 4 else (0, 2))  # 2.5 -> 2, 7.5 -> 8; 0.5 -> 0, 1.5 -> 2
+
+
+# Decode (q_len 1, its block open), a prefill over several blocks that fills some mid-write, and
+# an extend whose new tokens fill a block and open the next; block sizes below 16 look keys up
+# one by one, 16 and up read whole tiles of one block.
+CASES = [  # (heads, kv heads, head dim, block size, window, softcap, splits)
+    (6, 2, 16, 4, None, None, None),  # GQA 3
+    (4, 1, 16, 4, 5, None, 2),  # MQA, sliding window, split context
+    (4, 4, 32, 16, None, 30.0, None),  # MHA, softcap
+    (6, 2, 16, 32, 20, None, 3),  # GQA, window, split
+]
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("H,KVH,D,block_size,window,softcap,splits", CASES)
+def test_packed_attention_matches_the_torch_path(device, bits, H, KVH, D, block_size, window, softcap, splits):
+    scale_up = block_size // 4 if block_size > 4 else 1
+    ctx, qlen = [9 * scale_up, 1, 13 * scale_up, 6 * scale_up + 1], [9 * scale_up, 1, 3 * scale_up, 1]
+    b = make_packed_batch(ctx, qlen, H, KVH, D, bits, block_size, device=device, store=pks.store_packed_kv)
+    assert b.cache.open_blocks == 4  # every sequence's last block
+    kw = dict(scale=D ** -0.5, window=window, softcap=softcap)
+    out = ppa.packed_paged_attention(*b.args(), num_splits=splits, **kw)
+    ref = ppa.reference_packed_paged_attention(*b.args(), **kw)
+    tol = 1e-2 if device.type == "cuda" else 1e-5  # tf32 dots on GPU
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_open_block_is_read_exactly_from_the_residual(device, block_size):
+    """A context shorter than a block is all residual: plain attention over the exact K/V."""
+    b = make_packed_batch([3], [3], 4, 2, 16, 4, block_size, device=device)
+    out = ppa.packed_paged_attention(*b.args(), scale=0.25)
+    pos = torch.arange(3)
+    exact = reference_attention(b.q.cpu(), b.k[0], b.v[0], pos, pos, 0.25)
+    tol = 1e-2 if device.type == "cuda" else 1e-5
+    torch.testing.assert_close(out.cpu(), exact, rtol=tol, atol=tol)
+
+
+def test_cpu_routing_is_the_torch_path():
+    b = make_packed_batch([6, 3], [2, 1], 4, 2, 16, 4)
+    out = dispatch.packed_paged_attention(*b.args(), scale=0.25)
+    torch.testing.assert_close(out, ppa.reference_packed_paged_attention(*b.args(), scale=0.25), rtol=0, atol=0)
+    ours, theirs = packed_layer(4), packed_layer(4)
+    k, v, s = rows([0, 1, 2, 3, 4], 0)
+    dispatch.store_packed_kv(k, v, ours, s)
+    theirs.write(k, v, s)
+    assert_same_layer(ours, theirs)
+
+
+def test_bad_inputs_raise_one_line_errors():
+    b = make_packed_batch([5], [1], 4, 2, 16, 4)
+    k, v, s = rows([0], 0)
+    with pytest.raises(KvslimError, match="slot_mapping must be int64"):
+        pks.reference_store_packed_kv(k, v, b.cache, s.int())
+    with pytest.raises(KvslimError, match="new k/v"):
+        pks.reference_store_packed_kv(k[:, :1], v[:, :1], b.cache, s)
+    with pytest.raises(KvslimError, match="not a multiple"):
+        ppa.reference_packed_paged_attention(b.q[:, :3], *b.args()[1:], scale=1.0)
+    b.cache.k_scale = b.cache.k_scale.float()
+    with pytest.raises(KvslimError, match="k_scale must be torch.float16"):
+        ppa.reference_packed_paged_attention(*b.args(), scale=1.0)
+
+
+# ------------------------------------------------------------------ GPU: real sizes, bf16
+@requires_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("H,KVH,D,block_size,window", [(9, 3, 64, 64, None), (32, 8, 128, 64, None), (8, 1, 256, 16, 512),
+                                                       (8, 2, 128, 8, None)])
+def test_gpu_packed_kv_real_sizes(bits, H, KVH, D, block_size, window):
+    ctx, qlen = [1500, 7, 900, 2048, 333], [1, 7, 1, 130, 1]
+    b = make_packed_batch(ctx, qlen, H, KVH, D, bits, block_size, device="cuda", store=pks.store_packed_kv)
+    theirs = make_packed_batch(ctx, qlen, H, KVH, D, bits, block_size)
+    for name in TENSORS:
+        assert torch.equal(getattr(b.cache, name).cpu(), getattr(theirs.cache, name)), name
+    q = b.q.bfloat16()
+    out = ppa.packed_paged_attention(q, *b.args()[1:], scale=D ** -0.5, window=window).float()
+    ref = ppa.reference_packed_paged_attention(q, *b.args()[1:], scale=D ** -0.5, window=window).float()
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
