@@ -1,7 +1,7 @@
 """Route each op by device and declared scheme: CUDA tensors to the Triton kernels (or
 ``torch._scaled_mm`` for FP8 W8A8), CPU tensors to the plain-torch reference paths.
 
-The engine calls these three functions; which implementation runs is decided here only.
+The engine calls these functions; which implementation runs is decided here only.
 """
 from __future__ import annotations
 
@@ -13,8 +13,11 @@ import torch
 
 from foundation.errors import KvslimError
 from foundation.schemes import QuantScheme
+from runtime.cache.packed_layer import PackedLayerCache
 from runtime.kernels import dequant_matmul as dm
 from runtime.kernels import kv_store as kvs
+from runtime.kernels import packed_kv_store as pks
+from runtime.kernels import packed_paged_attention as ppa
 from runtime.kernels import paged_attention as pa
 
 
@@ -119,3 +122,28 @@ def paged_attention(
     if _on_cuda(q):
         return pa.paged_attention(*args, max_query_len=max_query_len, max_context_len=max_context_len)
     return pa.reference_paged_attention(*args)
+
+
+def store_packed_kv(k: torch.Tensor, v: torch.Tensor, cache: PackedLayerCache, slot_mapping: torch.Tensor) -> None:
+    """Write new K/V into a packed int4/int2 layer, quantizing the blocks it fills (see ``packed_kv_store``)."""
+    fn = pks.store_packed_kv if _on_cuda(cache.k_codes) else pks.reference_store_packed_kv
+    fn(k, v, cache, slot_mapping)
+
+
+def packed_paged_attention(
+    q: torch.Tensor,
+    cache: PackedLayerCache,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    max_query_len: int | None = None,
+    max_context_len: int | None = None,
+) -> torch.Tensor:
+    """Attention of the step's tokens over a packed int4/int2 layer (see ``packed_paged_attention``)."""
+    args = (q, cache, block_tables, context_lens, query_start_loc, scale, window, softcap)
+    if _on_cuda(q):
+        return ppa.packed_paged_attention(*args, max_query_len=max_query_len, max_context_len=max_context_len)
+    return ppa.reference_packed_paged_attention(*args)
