@@ -26,12 +26,15 @@ def make_backends(kv_dtype, static, softcap, use_triton, device):
     spec = KVCacheSpec.from_layout(layout, kv_dtype, block_size=4, static_scales=static)
     scales = {i: (0.05, 0.04) for i in layout.cache_owners()} if static else None
     params = [AttentionParams(0.3, l.window, l.kv_source, softcap) for l in layout.layers]
-    ours = KernelAttentionBackend(KVCache(spec, (32, 32), device=device, layer_scales=scales), params, use_triton)
-    theirs = PagedAttentionBackend(KVCache(spec, (32, 32), layer_scales=scales), params)
+    res = 8  # int4/int2 residual blocks: 3 sequences, at most 2 open blocks each while a chunk is written
+    ours = KernelAttentionBackend(KVCache(spec, (32, 32), device=device, layer_scales=scales, residual_blocks=res),
+                                  params, use_triton)
+    theirs = PagedAttentionBackend(KVCache(spec, (32, 32), layer_scales=scales, residual_blocks=res), params)
     return layout, ours, theirs
 
 
-@pytest.mark.parametrize("kv_dtype,static,softcap", [("fp32", False, 5.0), ("int8", False, None), ("int8", True, None)])
+@pytest.mark.parametrize("kv_dtype,static,softcap", [("fp32", False, 5.0), ("int8", False, None), ("int8", True, None),
+                                                     ("int4", False, None), ("int2", False, 5.0)])
 def test_kernel_backend_matches_the_engine_backend(device, kv_dtype, static, softcap):
     torch.manual_seed(0)
     rng = random.Random(0)
