@@ -3,12 +3,16 @@
 A block's keys are quantized per channel over its tokens, so they can only be quantized once the
 block is full. Until then its rows live in a *residual* slot in the activation dtype (KIVI's
 full-precision window, which paging gives for free: at most one open block per sequence). The
-block whose last offset is written is quantized from its residual rows and its slot given back;
-a block freed while open gives its slot back through ``release`` (the block manager's free hook).
-Tokens of a sequence are written in position order, so offset 0 opens a block and offset
-``block_size - 1`` closes it.
+block whose last offset is written is quantized from its residual rows and the rows written now,
+and its slot given back; a block filled within one write never takes a slot. A block freed
+while open gives its slot back through ``release`` (the block manager's free hook). Tokens of a
+sequence are written in position order, so offset 0 opens a block and offset ``block_size - 1``
+closes it.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -19,6 +23,15 @@ from runtime.cache.low_bit_kv import (
     quantize_key_blocks,
     quantize_value_rows,
 )
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    """How one write moves: the blocks it fills, where their rows come from, the rows left open."""
+
+    full: torch.Tensor  # [n] sorted blocks whose last offset the write holds
+    src: torch.Tensor  # [n, block_size] int64: the write's row at each offset, -1 for the block's residual row
+    stays: torch.Tensor  # [T] bool: rows of blocks the write leaves open
 
 
 class PackedLayerCache:
@@ -55,57 +68,62 @@ class PackedLayerCache:
             self.slot_of[block] = -1
             self._free.append(slot)
 
-    def open_for(self, slots: torch.Tensor) -> torch.Tensor:
-        """Give every block that ``slots`` write into a residual slot; return the blocks the write
-        fills (their last offset is among ``slots``), to quantize and then ``close``. (The kernel
-        path: every touched block holds a slot while the write runs.)"""
-        bs = self.block_size
-        for block in (slots // bs).unique().tolist():
-            self._open(block)
-        return (slots[slots % bs == bs - 1] // bs).unique()
-
-    def close(self, full: torch.Tensor) -> None:
-        """Give back the residual slots of ``full`` blocks, quantized now."""
-        for block in full.tolist():
-            self.release(block)
-
-    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """Store new rows ``[T, kvh, D]`` at ``slots [T]``; quantize every block this write fills.
-
-        Only blocks left open take a residual slot: a block this write fills is quantized from its
-        residual rows (if it had some) and the new ones, so a prompt spanning many blocks needs no
-        more slots than the one block it leaves open."""
+    def plan_write(self, slots: torch.Tensor) -> WritePlan:
+        """Which blocks a write to ``slots [T]`` fills, where each of their rows comes from, and
+        which rows stay in residual slots."""
         bs = self.block_size
         blocks, offsets = slots // bs, slots % bs
-        closing = blocks[offsets == bs - 1].unique()  # sorted
-        closes = torch.isin(blocks, closing)
-        if closing.numel():  # first, so that the slots they give back serve the blocks opened now
-            self._close(closing, blocks[closes], offsets[closes], k[closes], v[closes])
-        stays = ~closes
-        if bool(stays.any()):
-            for block in blocks[stays].unique().tolist():
-                self._open(block)
-            index = self.slot_of[blocks[stays]]
-            self.k_residual[index, offsets[stays]] = k[stays].to(self.residual_dtype)
-            self.v_residual[index, offsets[stays]] = v[stays].to(self.residual_dtype)
+        full = blocks[offsets == bs - 1].unique()  # sorted
+        fills = torch.isin(blocks, full)
+        src = torch.full((full.numel(), bs), -1, dtype=torch.long, device=slots.device)
+        src[torch.searchsorted(full, blocks[fills]), offsets[fills]] = fills.nonzero().squeeze(1)
+        return WritePlan(full, src, ~fills)
 
-    def _close(self, full: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> None:
-        """Quantize blocks ``full`` (sorted) from their residual rows and new rows ``k, v`` at ``(blocks, offsets)``."""
-        shape = (full.numel(), *self.k_residual.shape[1:])
-        k_rows = torch.empty(shape, dtype=self.residual_dtype, device=k.device)
-        v_rows = torch.empty(shape, dtype=self.residual_dtype, device=v.device)
-        slot = self.slot_of[full]
+    def apply_write(self, slots: torch.Tensor, quantize: Callable[[WritePlan], None],
+                    store: Callable[[torch.Tensor], None]) -> None:
+        """The order of every write, whichever code moves the data: ``quantize(plan)`` the blocks it
+        fills, give back the slots they held, give the blocks left open slots, then ``store(stays)``
+        their rows at ``slot_of``. Filled blocks go first, so the slots they free serve the blocks
+        opened now, and a prompt spanning many blocks needs no more slots than the blocks it leaves open."""
+        plan = self.plan_write(slots)
+        if plan.full.numel():
+            quantize(plan)
+            for block in plan.full.tolist():
+                self.release(block)
+        if bool(plan.stays.any()):
+            for block in (slots[plan.stays] // self.block_size).unique().tolist():
+                self._open(block)
+            store(plan.stays)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store new rows ``[T, kvh, D]`` at ``slots [T]``; quantize every block this write fills."""
+        bs = self.block_size
+
+        def quantize(plan: WritePlan) -> None:
+            full = plan.full
+            self.k_codes[full], self.k_scale[full], self.k_min[full] = quantize_key_blocks(
+                self._filled_rows(plan, k, self.k_residual), self.bits)
+            self.v_codes[full], self.v_scale[full], self.v_min[full] = quantize_value_rows(
+                self._filled_rows(plan, v, self.v_residual), self.bits)
+
+        def store(stays: torch.Tensor) -> None:
+            index, offsets = self.slot_of[slots[stays] // bs], slots[stays] % bs
+            self.k_residual[index, offsets] = k[stays].to(self.residual_dtype)
+            self.v_residual[index, offsets] = v[stays].to(self.residual_dtype)
+
+        self.apply_write(slots, quantize, store)
+
+    def _filled_rows(self, plan: WritePlan, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Rows ``[n_full, block_size, kvh, D]`` of the filled blocks in the residual dtype: this
+        write's rows ``x`` where ``plan.src >= 0``, else the block's residual row (0 if it holds none)."""
+        rows = torch.zeros((plan.full.numel(), *residual.shape[1:]), dtype=residual.dtype, device=residual.device)
+        slot = self.slot_of[plan.full]
         held = slot >= 0
         if bool(held.any()):
-            k_rows[held], v_rows[held] = self.k_residual[slot[held]], self.v_residual[slot[held]]
-        at = torch.searchsorted(full, blocks)
-        k_rows[at, offsets] = k.to(self.residual_dtype)
-        v_rows[at, offsets] = v.to(self.residual_dtype)
-        self.k_codes[full], self.k_scale[full], self.k_min[full] = quantize_key_blocks(k_rows, self.bits)
-        self.v_codes[full], self.v_scale[full], self.v_min[full] = quantize_value_rows(v_rows, self.bits)
-        for b in full[held].tolist():
-            self.release(b)
+            rows[held] = residual[slot[held]]
+        new = plan.src >= 0
+        rows[new] = x[plan.src[new]].to(residual.dtype)
+        return rows
 
     def gather(self, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of ``blocks [..., nb]`` -> ``[..., nb * block_size, kvh, D]`` in ``dtype``: open blocks

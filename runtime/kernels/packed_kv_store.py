@@ -1,17 +1,19 @@
 """Write new K/V into a packed int4/int2 layer (``runtime.cache.packed_layer``) with Triton.
 
-``PackedLayerCache`` keeps the bookkeeping (``open_for`` gives each block a write touches a
-residual slot and names the blocks it fills, ``close`` gives their slots back); between the two,
-the data moves on the device:
+``PackedLayerCache.apply_write`` keeps the bookkeeping and its order, as for the torch path: the
+blocks a write fills are quantized first, straight from their rows, and give back the slots they
+held; only then do the blocks it leaves open take slots. The data moves on the device:
 
-- ``residual_store_kernel``: token t's K/V rows ``[kvh, D]`` into its block's residual slot
-  ``slot_of[slot // block_size]`` at offset ``slot % block_size`` (in the residual dtype);
-- ``quantize_blocks_kernel``: every filled block from its residual rows, as
+- ``quantize_blocks_kernel``: every filled block, each row read from the new K/V (``plan.src``
+  names the row) or from the block's residual slot, cast to the residual dtype, and quantized as
   ``low_bit_kv._quantize``: keys per channel over the block's tokens, values per token and head;
   ``scale = fp16(max((hi - lo) / levels, 1e-6))``, ``minimum = fp16(lo)``, and codes
   ``round_half_even((x - minimum) / scale)`` clamped to ``[0, levels]`` from those fp16
   parameters (IEEE division, so the codes are the torch path's bit for bit), packed ``8 // bits``
-  to a byte along head_dim, low bits first.
+  to a byte along head_dim, low bits first;
+- ``residual_store_kernel``: the K/V rows ``[kvh, D]`` of each token left open into its block's
+  residual slot ``slot_of[slot // block_size]`` at offset ``slot % block_size`` (in the residual
+  dtype); the other tokens' slots are passed as -1.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import triton.language as tl
 
 from foundation.errors import KvslimError
 from runtime.cache.low_bit_kv import MIN_SCALE, PARAM_DTYPE, packed_dim
-from runtime.cache.packed_layer import PackedLayerCache
+from runtime.cache.packed_layer import PackedLayerCache, WritePlan
 from runtime.kernels.kv_store import _round_half_even, _store_one
 
 RESIDUAL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -34,7 +36,8 @@ def residual_store_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh, stride_rb, stride_rs, stride_rh,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Grid ``(T,)``: program t writes token t's K and V rows into its block's residual slot."""
+    """Grid ``(T,)``: program t writes token t's K and V rows into its block's residual slot
+    (none for a negative slot)."""
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token)
     if slot < 0:
@@ -67,20 +70,31 @@ def _codes(x, scale, lo, LEVELS: tl.constexpr):
 
 
 @triton.jit
+def _rows(x_ptr, residual_ptr, new_rows, old_rows, from_new, from_old, d):
+    """fp32 tile of a filled block's rows at channels ``d``: its residual rows where ``from_old``,
+    else the new rows (cast to the residual dtype, as stored) where ``from_new``, else 0."""
+    new = tl.load(x_ptr + new_rows + d[None, :], mask=from_new, other=0.0).to(residual_ptr.dtype.element_ty)
+    return tl.load(residual_ptr + old_rows + d[None, :], mask=from_old, other=new).to(tl.float32)
+
+
+@triton.jit
 def quantize_blocks_kernel(
-    k_residual_ptr, v_residual_ptr, slot_of_ptr, blocks_ptr,
+    k_ptr, v_ptr, k_residual_ptr, v_residual_ptr, slot_of_ptr, blocks_ptr, src_ptr,
     k_codes_ptr, v_codes_ptr, k_scale_ptr, k_min_ptr, v_scale_ptr, v_min_ptr,
     block_size, bytes_per_row,
+    stride_kt, stride_kh, stride_vt, stride_vh,
     stride_rb, stride_rs, stride_rh, stride_cb, stride_cs, stride_ch,
     stride_kpb, stride_kph, stride_vpb, stride_vps,
     BITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, MIN_SCALE_: tl.constexpr,
 ):
-    """Grid ``(num_blocks, kvh)``: program (i, h) quantizes head h of block ``blocks[i]``.
+    """Grid ``(num_blocks, kvh)``: program (i, h) quantizes head h of block ``blocks[i]``, whose row
+    at offset s is new row ``src[i, s]`` or, where that is negative, its residual row.
     Byte p of a packed row holds channels ``p * PER + j``, j < PER, so each pass j reads one
     ``[BLOCK_S, BLOCK_P]`` tile of channels and ORs its codes in at bit ``j * BITS``."""
     PER: tl.constexpr = 8 // BITS
     LEVELS: tl.constexpr = (1 << BITS) - 1
-    blk = tl.load(blocks_ptr + tl.program_id(0)).to(tl.int64)
+    i = tl.program_id(0)
+    blk = tl.load(blocks_ptr + i).to(tl.int64)
     head = tl.program_id(1)
     rslot = tl.load(slot_of_ptr + blk)
     offs_s = tl.arange(0, BLOCK_S)
@@ -88,14 +102,21 @@ def quantize_blocks_kernel(
     s_ok = offs_s < block_size
     p_ok = offs_p < bytes_per_row
     ok = s_ok[:, None] & p_ok[None, :]
-    rows = rslot * stride_rb + offs_s[:, None] * stride_rs + head * stride_rh
+    # int32 row offsets into this write's K/V (as in kv_store): int64 ones spill at block 64 x head_dim 128
+    src = tl.load(src_ptr + i * block_size + offs_s, mask=s_ok, other=-1).to(tl.int32)
+    from_new = ok & (src >= 0)[:, None]
+    held = tl.zeros_like(src) + rslot >= 0  # a vector: the interpreter's bool & scalar bool is int32
+    from_old = ok & ((src < 0) & held)[:, None]
+    k_rows = (src * stride_kt + head * stride_kh)[:, None]
+    v_rows = (src * stride_vt + head * stride_vh)[:, None]
+    old_rows = rslot * stride_rb + offs_s[:, None] * stride_rs + head * stride_rh
     packed_at = blk * stride_cb + offs_s[:, None] * stride_cs + head * stride_ch + offs_p[None, :]
 
     # Keys: one range per channel over the block's tokens.
     packed = tl.zeros((BLOCK_S, BLOCK_P), dtype=tl.int32)
     for j in tl.static_range(PER):
         d = offs_p * PER + j
-        x = tl.load(k_residual_ptr + rows + d[None, :], mask=ok, other=0.0).to(tl.float32)
+        x = _rows(k_ptr, k_residual_ptr, k_rows, old_rows, from_new, from_old, d)
         lo = tl.min(tl.where(ok, x, float("inf")), axis=0)
         hi = tl.max(tl.where(ok, x, float("-inf")), axis=0)
         scale, lo = _params(lo, hi, LEVELS, MIN_SCALE_)
@@ -108,7 +129,7 @@ def quantize_blocks_kernel(
     lo = tl.full((BLOCK_S,), float("inf"), dtype=tl.float32)
     hi = tl.full((BLOCK_S,), float("-inf"), dtype=tl.float32)
     for j in tl.static_range(PER):
-        x = tl.load(v_residual_ptr + rows + (offs_p * PER + j)[None, :], mask=ok, other=0.0).to(tl.float32)
+        x = _rows(v_ptr, v_residual_ptr, v_rows, old_rows, from_new, from_old, offs_p * PER + j)
         lo = tl.minimum(lo, tl.min(tl.where(ok, x, float("inf")), axis=1))
         hi = tl.maximum(hi, tl.max(tl.where(ok, x, float("-inf")), axis=1))
     scale, lo = _params(lo, hi, LEVELS, MIN_SCALE_)
@@ -116,7 +137,7 @@ def quantize_blocks_kernel(
     tl.store(v_min_ptr + blk * stride_vpb + offs_s * stride_vps + head, lo, mask=s_ok)
     packed = tl.zeros((BLOCK_S, BLOCK_P), dtype=tl.int32)
     for j in tl.static_range(PER):
-        x = tl.load(v_residual_ptr + rows + (offs_p * PER + j)[None, :], mask=ok, other=0.0).to(tl.float32)
+        x = _rows(v_ptr, v_residual_ptr, v_rows, old_rows, from_new, from_old, offs_p * PER + j)
         packed = packed | (_codes(x, scale[:, None], lo[:, None], LEVELS) << (j * BITS))
     tl.store(v_codes_ptr + packed_at, packed.to(tl.uint8), mask=ok)
 
@@ -166,29 +187,32 @@ def store_packed_kv(k: torch.Tensor, v: torch.Tensor, cache: PackedLayerCache, s
     """Write ``k``, ``v`` ``[T, KVH, D]`` at ``slot_mapping`` and quantize the blocks they fill
     (``PackedLayerCache.write`` on the device)."""
     _check_store(k, v, cache, slot_mapping)
-    full = cache.open_for(slot_mapping)
     k, v = k.contiguous(), v.contiguous()
     T, kvh, d = k.shape
-    res = cache.k_residual
+    res, codes = cache.k_residual, cache.k_codes
     bs = res.shape[1]
-    if T:
-        residual_store_kernel[(T,)](
-            k, v, res, cache.v_residual, cache.slot_of, slot_mapping, kvh, d, bs,
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1), res.stride(0), res.stride(1), res.stride(2),
-            BLOCK_H=triton.next_power_of_2(kvh), BLOCK_D=triton.next_power_of_2(d),
-        )
-    if full.numel():
-        codes, ks, vs = cache.k_codes, cache.k_scale, cache.v_scale
-        quantize_blocks_kernel[(full.numel(), kvh)](
-            res, cache.v_residual, cache.slot_of, full,
+
+    def quantize(plan: WritePlan) -> None:
+        ks, vs = cache.k_scale, cache.v_scale
+        quantize_blocks_kernel[(plan.full.numel(), kvh)](
+            k, v, res, cache.v_residual, cache.slot_of, plan.full, plan.src.contiguous(),
             codes, cache.v_codes, ks, cache.k_min, vs, cache.v_min,
             bs, codes.shape[-1],
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             res.stride(0), res.stride(1), res.stride(2), codes.stride(0), codes.stride(1), codes.stride(2),
             ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
             BITS=cache.bits, BLOCK_S=triton.next_power_of_2(bs), BLOCK_P=triton.next_power_of_2(codes.shape[-1]),
             MIN_SCALE_=MIN_SCALE, num_warps=quantize_num_warps(bs, d),
         )
-    cache.close(full)
+
+    def store(stays: torch.Tensor) -> None:
+        residual_store_kernel[(T,)](
+            k, v, res, cache.v_residual, cache.slot_of, torch.where(stays, slot_mapping, -1), kvh, d, bs,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), res.stride(0), res.stride(1), res.stride(2),
+            BLOCK_H=triton.next_power_of_2(kvh), BLOCK_D=triton.next_power_of_2(d),
+        )
+
+    cache.apply_write(slot_mapping, quantize, store)
 
 
 # --------------------------------------------------------------------------- reference (plain torch)

@@ -6,6 +6,7 @@ import torch
 
 from foundation.errors import KvslimError
 from runtime.attention.backend import reference_attention
+from runtime.cache.low_bit_kv import quantize_key_blocks
 from runtime.kernels import dispatch
 from runtime.kernels import packed_kv_store as pks
 from runtime.kernels import packed_paged_attention as ppa
@@ -45,8 +46,9 @@ STEPS = [
 
 @pytest.mark.parametrize("bits", [4, 2])
 def test_store_matches_the_torch_path(device, bits):
-    ours = packed_layer(bits, block_size=4, num_blocks=8, residual_blocks=4, device=device)
-    theirs = packed_layer(bits, block_size=4, num_blocks=8, residual_blocks=4)
+    """One residual slot per sequence: a write takes none for the blocks it fills."""
+    ours = packed_layer(bits, block_size=4, num_blocks=8, residual_blocks=2, device=device)
+    theirs = packed_layer(bits, block_size=4, num_blocks=8, residual_blocks=2)
     for i, slots in enumerate(STEPS):
         k, v, s = rows(slots, i, device=device)
         pks.store_packed_kv(k, v, ours, s)
@@ -59,6 +61,28 @@ def test_store_matches_the_torch_path(device, bits):
     pks.store_packed_kv(k, v, ours, s)
     pks.reference_store_packed_kv(k.cpu(), v.cpu(), theirs, s.cpu())
     assert_same_layer(ours, theirs)
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_blocks_filled_within_one_write_need_no_residual_slot(device, bits):
+    """Two sequences in one write fill four blocks (one open since an earlier write, three whole)
+    and leave two open: two residual slots suffice, and every filled block is quantized from
+    exactly its rows, those written earlier and now."""
+    ours = packed_layer(bits, block_size=4, num_blocks=8, residual_blocks=2, device=device)
+    theirs = packed_layer(bits, block_size=4, num_blocks=8, residual_blocks=2)
+    # B opens block 5; then A: blocks 0, 1 and offsets 0..2 of 2; B: fills 5, block 3, offsets 0..1 of 4
+    steps = [[20, 21, 22], [*range(0, 11), 23, *range(12, 18)], [11, 18, 19]]
+    for i, slots in enumerate(steps):
+        k, v, s = rows(slots, i, device=device)
+        pks.store_packed_kv(k, v, ours, s)
+        pks.reference_store_packed_kv(k.cpu(), v.cpu(), theirs, s.cpu())
+        assert_same_layer(ours, theirs)
+        if i == 1:
+            assert {int(b) for b in (ours.slot_of >= 0).nonzero()} == {2, 4}
+            first_k = rows(steps[0], 0)[0]
+            codes, _, _ = quantize_key_blocks(torch.cat([first_k, k[11:12].cpu()])[None], bits)
+            assert torch.equal(ours.k_codes[5].cpu(), codes[0])
+    assert ours.open_blocks == 0 and sorted(ours._free) == [0, 1]
 
 
 @pytest.mark.parametrize("bits", [4, 2])
