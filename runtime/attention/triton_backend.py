@@ -4,8 +4,9 @@ Same interface as ``runtime.attention.paged.PagedAttentionBackend`` (``set_batch
 per layer), but each layer is one store (quantize on write) and one paged attention call over the
 whole flattened batch, routed by ``dispatch``: Triton on CUDA, the plain-torch references on CPU.
 bf16/fp16/fp32/fp8/int8 layers take ``store_kv`` and ``paged_attention``; packed int4/int2 layers
-(``PackedLayerCache``) ``store_packed_kv`` and ``packed_paged_attention``. Layers that read
-another layer's KV get the owner's tensors from the cache.
+(``PackedLayerCache``) ``store_packed_kv`` and ``packed_paged_attention``, which reads the
+step's own new rows exact from ``k``/``v``, as the torch path. Layers that read another layer's
+KV get the owner's tensors from the cache, the step's rows included.
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ class KernelAttentionBackend:
         if isinstance(lc, PackedLayerCache):
             if k is not None:
                 self._store_packed(k, v, lc, batch.slot_mapping[g])
-            return self._attention_packed(q, lc, *meta, **self._maxima)
+            return self._attention_packed(q, k, v, lc, *meta, **self._maxima)
         if k is not None:
             self._store(k, v, lc.k_cache, lc.v_cache, batch.slot_mapping[g], lc.k_scale, lc.v_scale)
         return self._attention(q, lc.k_cache, lc.v_cache, *meta, lc.k_scale, lc.v_scale, **self._maxima)

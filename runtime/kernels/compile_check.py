@@ -150,23 +150,25 @@ def _packed_variants() -> list[KernelVariant]:
              "k_codes_ptr": "*u8", "v_codes_ptr": "*u8", "k_scale_ptr": "*fp16", "k_min_ptr": "*fp16",
              "v_scale_ptr": "*fp16", "v_min_ptr": "*fp16"},
             dict(BITS=bits, BLOCK_S=64, BLOCK_P=d * bits // 8, MIN_SCALE_=1e-6), quick, num_warps=quantize_num_warps(64, d)))
-    cases = [  # (name, q, residual, bits, D, QPK, decode, splits, block size, window, softcap, quick)
-        ("int4 kv decode d64 gqa3", "bf16", "bf16", 4, 64, 3, True, 1, 64, False, False, True),
-        ("int4 kv decode split d128 gqa4", "bf16", "bf16", 4, 128, 4, True, 8, 64, False, False, False),
-        ("int2 kv prefill window d128 gqa4", "bf16", "bf16", 2, 128, 4, False, 1, 64, True, False, True),
-        ("int4 kv/block 8 decode d128 gqa4", "bf16", "bf16", 4, 128, 4, True, 1, 8, False, False, True),
-        ("int4 kv prefill softcap d256 mqa", "fp16", "fp16", 4, 256, 8, False, 1, 64, True, True, False),
+    cases = [  # (name, q, residual, bits, D, QPK, decode, splits, block size, window, softcap, fresh, quick)
+        ("int4 kv decode d64 gqa3", "bf16", "bf16", 4, 64, 3, True, 1, 64, False, False, True, True),
+        ("int4 kv decode split d128 gqa4", "bf16", "bf16", 4, 128, 4, True, 8, 64, False, False, True, False),
+        ("int4 kv decode shared-KV d128 gqa4", "bf16", "bf16", 4, 128, 4, True, 1, 64, False, False, False, False),
+        ("int2 kv prefill window d128 gqa4", "bf16", "bf16", 2, 128, 4, False, 1, 64, True, False, True, True),
+        ("int4 kv/block 8 decode d128 gqa4", "bf16", "bf16", 4, 128, 4, True, 1, 8, False, False, True, True),
+        ("int4 kv prefill softcap d256 mqa", "fp16", "fp16", 4, 256, 8, False, 1, 64, True, True, True, False),
     ]
-    for name, qd, rd, bits, d, qpk, decode, splits, block_size, window, softcap, quick in cases:
+    for name, qd, rd, bits, d, qpk, decode, splits, block_size, window, softcap, fresh, quick in cases:
         block_m = max(16, 1 << (qpk - 1).bit_length()) if decode else max(64, 1 << (qpk - 1).bit_length())
-        ptrs = {"q_ptr": f"*{qd}", "k_codes_ptr": "*u8", "v_codes_ptr": "*u8", "k_scale_ptr": "*fp16", "k_min_ptr": "*fp16",
+        ptrs = {"q_ptr": f"*{qd}", "k_new_ptr": f"*{qd}", "v_new_ptr": f"*{qd}", "k_codes_ptr": "*u8", "v_codes_ptr": "*u8",
+                "k_scale_ptr": "*fp16", "k_min_ptr": "*fp16",
                 "v_scale_ptr": "*fp16", "v_min_ptr": "*fp16", "k_residual_ptr": f"*{rd}", "v_residual_ptr": f"*{rd}",
                 "slot_of_ptr": "*i64", "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "query_start_ptr": "*i32",
                 "out_ptr": "*fp32" if splits > 1 else f"*{qd}", "lse_ptr": "*fp32" if splits > 1 else f"*{qd}"}
         block_n, in_block = key_tile(block_size, d)
         consts = dict(BITS=bits, QPK=qpk, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=block_m, BLOCK_Q=block_m // qpk,
                       BLOCK_N=block_n, NUM_SPLITS=splits, TILE_IN_BLOCK=in_block, USE_WINDOW=window,
-                      USE_SOFTCAP=softcap)
+                      USE_SOFTCAP=softcap, FRESH=fresh)
         out.append(KernelVariant(name, "packed_paged_attention_kernel", attn_mod, ptrs, consts, quick,
                                  num_warps=attention_num_warps(block_m, d)))
     return out

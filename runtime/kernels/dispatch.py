@@ -132,6 +132,8 @@ def store_packed_kv(k: torch.Tensor, v: torch.Tensor, cache: PackedLayerCache, s
 
 def packed_paged_attention(
     q: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     cache: PackedLayerCache,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
@@ -142,8 +144,9 @@ def packed_paged_attention(
     max_query_len: int | None = None,
     max_context_len: int | None = None,
 ) -> torch.Tensor:
-    """Attention of the step's tokens over a packed int4/int2 layer (see ``packed_paged_attention``)."""
-    args = (q, cache, block_tables, context_lens, query_start_loc, scale, window, softcap)
+    """Attention of the step's tokens over a packed int4/int2 layer, their own new rows ``k``, ``v``
+    read exact (see ``packed_paged_attention``)."""
+    args = (q, k, v, cache, block_tables, context_lens, query_start_loc, scale, window, softcap)
     if _on_cuda(q):
         return ppa.packed_paged_attention(*args, max_query_len=max_query_len, max_context_len=max_context_len)
     return ppa.reference_packed_paged_attention(*args)

@@ -2,10 +2,12 @@
 prefill and extend in one kernel, as ``paged_attention`` over the same batch metadata.
 
 The query tile, the key range, the online softmax, the flash-decoding splits and their merge
-are ``paged_attention``'s. Only the reading of a K/V tile differs: each key's block is read from
-its residual rows when it is open (``slot_of[block] >= 0``), else from its packed codes,
-unpacked and dequantized in registers as ``minimum + code * scale`` (keys with the block's
-per-channel parameters, values with their per-token ones), in fp32.
+are ``paged_attention``'s. Only the reading of a K/V tile differs, as the torch path
+(``runtime.attention.paged``) reads: a key written by this step (position ``>= context_len -
+q_len``) comes exact from the step's own ``k``/``v``; an earlier one from its block's residual
+rows when the block is open (``slot_of[block] >= 0``), else from its packed codes, unpacked and
+dequantized in registers as ``minimum + code * scale`` (keys with the block's per-channel
+parameters, values with their per-token ones), in fp32.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from foundation.errors import KvslimError
 from runtime.cache.packed_layer import PackedLayerCache
 from runtime.kernels.packed_kv_store import check_packed_layer
 from runtime.kernels.paged_attention import (
@@ -50,21 +53,23 @@ def _tile_rows(codes_ptr, residual_ptr, code_rows, res_rows, offs_p, offs_d, clo
 
 @triton.jit
 def packed_paged_attention_kernel(
-    q_ptr, k_codes_ptr, v_codes_ptr, k_scale_ptr, k_min_ptr, v_scale_ptr, v_min_ptr,
+    q_ptr, k_new_ptr, v_new_ptr, k_codes_ptr, v_codes_ptr, k_scale_ptr, k_min_ptr, v_scale_ptr, v_min_ptr,
     k_residual_ptr, v_residual_ptr, slot_of_ptr,
     block_tables_ptr, context_lens_ptr, query_start_ptr, out_ptr, lse_ptr,
     sm_scale, softcap, window, block_size,
     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_kpb, stride_kph, stride_vpb, stride_vps,
-    stride_rb, stride_rs, stride_rh, stride_bt,
+    stride_rb, stride_rs, stride_rh, stride_bt, stride_nt, stride_nh,
     stride_ot, stride_oh, stride_osplit, stride_lt, stride_lsplit,
     BITS: tl.constexpr, QPK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    TILE_IN_BLOCK: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    TILE_IN_BLOCK: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, FRESH: tl.constexpr,
 ):
     """Grid ``(S, cdiv(max_q_len, BLOCK_Q), KVH * NUM_SPLITS)``, as ``paged_attention_kernel``.
     ``TILE_IN_BLOCK`` (``block_size % BLOCK_N == 0``): key tiles start at multiples of
     BLOCK_N, so each lies in one KV block, read whole from its residual or its codes with one row
-    of key parameters; otherwise every key of a tile is looked up on its own."""
+    of key parameters; otherwise every key of a tile is looked up on its own. ``FRESH``: keys at
+    positions ``>= first_pos`` are read from ``k_new``/``v_new`` ``[T, KVH, D]`` (row ``q_start +
+    j - first_pos``) instead of the cache; a tile may straddle ``first_pos``."""
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
     kvh = tl.program_id(2) // NUM_SPLITS
@@ -85,38 +90,43 @@ def packed_paged_attention_kernel(
     BLOCK_P: tl.constexpr = BLOCK_D // (8 // BITS)
     offs_p = tl.arange(0, BLOCK_P)
     p_ok = offs_p < HEAD_DIM // (8 // BITS)
+    first_pos = ctx - q_len
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     for j0 in range(split_lo, split_hi, BLOCK_N):
         offs_j = j0 + tl.arange(0, BLOCK_N)
         j_ok = offs_j < split_hi
+        if FRESH:
+            cached = j_ok & (offs_j < first_pos)
+        else:
+            cached = j_ok
         off = offs_j % block_size
         if TILE_IN_BLOCK:
             blk = tl.load(block_tables_ptr + seq * stride_bt + j0 // block_size).to(tl.int64)
             rslot = tl.load(slot_of_ptr + blk)
             if rslot >= 0:
                 res_rows = rslot * stride_rb + off * stride_rs + kvh * stride_rh
-                k = tl.load(k_residual_ptr + res_rows[:, None] + offs_d[None, :], mask=j_ok[:, None] & d_ok[None, :],
+                k = tl.load(k_residual_ptr + res_rows[:, None] + offs_d[None, :], mask=cached[:, None] & d_ok[None, :],
                             other=0.0).to(tl.float32)
-                v = tl.load(v_residual_ptr + res_rows[:, None] + offs_d[None, :], mask=j_ok[:, None] & d_ok[None, :],
+                v = tl.load(v_residual_ptr + res_rows[:, None] + offs_d[None, :], mask=cached[:, None] & d_ok[None, :],
                             other=0.0).to(tl.float32)
             else:
                 code_at = (blk * stride_cb + off * stride_cs + kvh * stride_ch)[:, None] + offs_p[None, :]
-                c_mask = j_ok[:, None] & p_ok[None, :]
+                c_mask = cached[:, None] & p_ok[None, :]
                 k_par = blk * stride_kpb + kvh * stride_kph + offs_d
                 k = (_unpack(tl.load(k_codes_ptr + code_at, mask=c_mask, other=0), BITS, BLOCK_N, BLOCK_D)
                      * tl.load(k_scale_ptr + k_par, mask=d_ok, other=0.0).to(tl.float32)[None, :]
                      + tl.load(k_min_ptr + k_par, mask=d_ok, other=0.0).to(tl.float32)[None, :])
                 v_par = blk * stride_vpb + off * stride_vps + kvh
                 v = (_unpack(tl.load(v_codes_ptr + code_at, mask=c_mask, other=0), BITS, BLOCK_N, BLOCK_D)
-                     * tl.load(v_scale_ptr + v_par, mask=j_ok, other=0.0).to(tl.float32)[:, None]
-                     + tl.load(v_min_ptr + v_par, mask=j_ok, other=0.0).to(tl.float32)[:, None])
+                     * tl.load(v_scale_ptr + v_par, mask=cached, other=0.0).to(tl.float32)[:, None]
+                     + tl.load(v_min_ptr + v_par, mask=cached, other=0.0).to(tl.float32)[:, None])
         else:
-            blk = tl.load(block_tables_ptr + seq * stride_bt + offs_j // block_size, mask=j_ok, other=0).to(tl.int64)
-            rslot = tl.load(slot_of_ptr + blk, mask=j_ok, other=-1)
-            opened = j_ok & (rslot >= 0)
-            closed = j_ok & (rslot < 0)
+            blk = tl.load(block_tables_ptr + seq * stride_bt + offs_j // block_size, mask=cached, other=0).to(tl.int64)
+            rslot = tl.load(slot_of_ptr + blk, mask=cached, other=-1)
+            opened = cached & (rslot >= 0)
+            closed = cached & (rslot < 0)
             code_rows = blk * stride_cb + off * stride_cs + kvh * stride_ch
             res_rows = rslot * stride_rb + off * stride_rs + kvh * stride_rh
             kc, kr = _tile_rows(k_codes_ptr, k_residual_ptr, code_rows, res_rows, offs_p, offs_d, closed, opened,
@@ -132,6 +142,15 @@ def packed_paged_attention_kernel(
                 + tl.load(v_min_ptr + v_par, mask=closed, other=0.0).to(tl.float32)[:, None]
             k = tl.where(opened[:, None], kr, k)
             v = tl.where(opened[:, None], vr, v)
+        # The tile in q's dtype, as the dots read it, so that a fresh row is a masked load over it.
+        k = k.to(q_ptr.dtype.element_ty)
+        v = v.to(q_ptr.dtype.element_ty)
+        if FRESH:
+            fresh = j_ok & (offs_j >= first_pos)
+            new_at = ((q_start + offs_j - first_pos) * stride_nt + kvh * stride_nh)[:, None] + offs_d[None, :]
+            f_mask = fresh[:, None] & d_ok[None, :]
+            k = tl.load(k_new_ptr + new_at, mask=f_mask, other=k)
+            v = tl.load(v_new_ptr + new_at, mask=f_mask, other=v)
         m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, offs_j, j_ok, q_pos, row_ok, sm_scale, softcap,
                                      window, USE_WINDOW, USE_SOFTCAP)
 
@@ -148,15 +167,24 @@ def key_tile(block_size: int, head_dim: int) -> tuple[int, bool]:
     return 16, False
 
 
-def _check_inputs(q, cache: PackedLayerCache, block_tables, context_lens, query_start_loc) -> None:
+def _check_inputs(q, k, v, cache: PackedLayerCache, block_tables, context_lens, query_start_loc) -> None:
     check_packed_layer(cache)
     _, _, kvh, d = cache.k_residual.shape
     check_attention_inputs(q, d, kvh, block_tables, context_lens, query_start_loc)
+    if (k is None) != (v is None):
+        raise KvslimError("the step's k and v must be given together")
+    expected = (q.shape[0], kvh, d)
+    for t in () if k is None else (k, v):
+        if tuple(t.shape) != expected or t.dtype != q.dtype or t.device != q.device:
+            raise KvslimError(f"the step's k/v must be {q.dtype} {list(expected)} on {q.device}, "
+                              f"got {t.dtype} {tuple(t.shape)} on {t.device}")
 
 
 # --------------------------------------------------------------------------- wrapper
 def packed_paged_attention(
     q: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     cache: PackedLayerCache,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
@@ -169,8 +197,10 @@ def packed_paged_attention(
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of the step's tokens over their paged context in a packed layer (the
-    batch metadata and its meaning are ``paged_attention``'s). The step's K/V must be stored."""
-    _check_inputs(q, cache, block_tables, context_lens, query_start_loc)
+    batch metadata and its meaning are ``paged_attention``'s). ``k``, ``v`` ``[T, KVH, D]`` in q's
+    dtype: the step's new rows, already stored, read exact; None (a layer reading another's KV):
+    every key is read from the cache."""
+    _check_inputs(q, k, v, cache, block_tables, context_lens, query_start_loc)
     T, H, D = q.shape
     S = context_lens.shape[0]
     if T == 0 or S == 0:
@@ -179,21 +209,24 @@ def packed_paged_attention(
     res, codes, ks, vs = cache.k_residual, cache.k_codes, cache.k_scale, cache.v_scale
     kvh = res.shape[2]
     q = q.contiguous()
+    fresh = k is not None
+    k_new, v_new = (k.contiguous(), v.contiguous()) if fresh else (q, q)
     plan = plan_launch(q, kvh, S, max_query_len, max_context_len, num_splits)
     target = plan.target
     block_n, in_block = key_tile(res.shape[1], D)
     packed_paged_attention_kernel[plan.grid](
-        q, codes, cache.v_codes, ks, cache.k_min, vs, cache.v_min, res, cache.v_residual, cache.slot_of,
+        q, k_new, v_new, codes, cache.v_codes, ks, cache.k_min, vs, cache.v_min, res, cache.v_residual, cache.slot_of,
         block_tables, context_lens, query_start_loc, target, plan.lse,
         float(scale), float(softcap or 1.0), int(window or 0), res.shape[1],
         q.stride(0), q.stride(1), codes.stride(0), codes.stride(1), codes.stride(2),
         ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
         res.stride(0), res.stride(1), res.stride(2), block_tables.stride(0),
+        k_new.stride(0) if fresh else 0, k_new.stride(1) if fresh else 0,
         target.stride(1), target.stride(2), target.stride(0), *plan.lse_strides,
         BITS=cache.bits, QPK=H // kvh, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
         BLOCK_M=plan.block_m, BLOCK_Q=plan.block_q, BLOCK_N=block_n, NUM_SPLITS=plan.splits,
         TILE_IN_BLOCK=in_block, USE_WINDOW=window is not None, USE_SOFTCAP=softcap is not None,
-        num_warps=attention_num_warps(plan.block_m, D),
+        FRESH=fresh, num_warps=attention_num_warps(plan.block_m, D),
     )
     return plan.result()
 
@@ -201,6 +234,8 @@ def packed_paged_attention(
 # --------------------------------------------------------------------------- reference (plain torch)
 def reference_packed_paged_attention(
     q: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     cache: PackedLayerCache,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
@@ -209,13 +244,20 @@ def reference_packed_paged_attention(
     window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Plain-torch oracle (and CPU path) for ``packed_paged_attention``: per sequence,
-    ``PackedLayerCache.gather`` in fp32, then ``reference_attention``."""
-    _check_inputs(q, cache, block_tables, context_lens, query_start_loc)
+    """Plain-torch oracle (and CPU path) for ``packed_paged_attention``, the torch path's read:
+    per sequence, ``PackedLayerCache.gather`` in fp32, the step's own rows overwritten with
+    ``k``/``v``, then ``reference_attention``."""
+    _check_inputs(q, k, v, cache, block_tables, context_lens, query_start_loc)
     bs = cache.block_size
+    starts = query_start_loc.tolist()
 
     def gather(s: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = cache.gather(block_tables[s, : -(-ctx // bs)].long(), torch.float32)
-        return k[:ctx], v[:ctx]
+        kk, vv = cache.gather(block_tables[s, : -(-ctx // bs)].long(), torch.float32)
+        kk, vv = kk[:ctx], vv[:ctx]
+        if k is not None:
+            rows = slice(starts[s], starts[s + 1])
+            first = ctx - (rows.stop - rows.start)
+            kk[first:], vv[first:] = k[rows], v[rows]
+        return kk, vv
 
     return attend_sequences(q, gather, context_lens, query_start_loc, scale, window, softcap)

@@ -31,15 +31,19 @@ class PackedBatch:
     query_start_loc: torch.Tensor
     k: list[torch.Tensor]  # per sequence, the exact K/V written ([ctx, KVH, D])
     v: list[torch.Tensor]
+    k_new: torch.Tensor  # the last step's rows ([T, KVH, D], with q)
+    v_new: torch.Tensor
 
     def args(self):
-        return (self.q, self.cache, self.block_tables, self.context_lens, self.query_start_loc)
+        """``packed_paged_attention``'s positional arguments up to the scale."""
+        return (self.q, self.k_new, self.v_new, self.cache, self.block_tables, self.context_lens, self.query_start_loc)
 
 
 def make_packed_batch(context_lens, query_lens, num_heads, num_kv_heads, head_dim, bits, block_size=4,
                       device="cpu", seed=0, store=reference_store_packed_kv) -> PackedBatch:
     """Sequences with random block tables, each written in two steps (its cached prefix, then its
-    ``query_lens`` new tokens) through ``store``; queries for the new tokens."""
+    ``query_lens`` new tokens) through ``store``; queries for the new tokens, whose K/V are the
+    second step's."""
     g = torch.Generator().manual_seed(seed)
     S = len(context_lens)
     max_blocks = max(-(-c // block_size) for c in context_lens)
@@ -59,7 +63,8 @@ def make_packed_batch(context_lens, query_lens, num_heads, num_kv_heads, head_di
         k = torch.cat([ks[s][idx[s]] for s in range(S)]).to(device)
         v = torch.cat([vs[s][idx[s]] for s in range(S)]).to(device)
         store(k, v, cache, torch.cat([slots[s][idx[s]] for s in range(S)]).to(device))
+    k_new, v_new = k, v
     qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     q = torch.randn(sum(query_lens), num_heads, head_dim, generator=g)
     return PackedBatch(q.to(device), cache, block_tables.to(device), torch.tensor(context_lens, dtype=torch.int32, device=device),
-                       qsl.to(device), ks, vs)
+                       qsl.to(device), ks, vs, k_new, v_new)

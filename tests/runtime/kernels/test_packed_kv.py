@@ -136,6 +136,30 @@ def test_open_block_is_read_exactly_from_the_residual(device, block_size):
     torch.testing.assert_close(out.cpu(), exact, rtol=tol, atol=tol)
 
 
+# first_pos mid-block and mid key tile: block 4 looks keys up one by one, block 16 reads 16-key
+# tiles of one block. A prefill chunk after earlier steps (its first tile straddles first_pos,
+# the block it fills mid-chunk read from codes below first_pos and exact above) and decodes
+# whose write closes their block.
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("block_size,splits", [(4, None), (16, None), (16, 2)])
+def test_the_steps_own_rows_are_read_exact(device, bits, block_size, splits):
+    m = block_size // 4
+    ctx, qlen = [11 * m + 1, 8 * m, 4 * m, 5 * m], [6 * m - 1, 1, 1, 3 * m]  # first_pos 5m + 2, 8m - 1, 4m - 1, 2m
+    b = make_packed_batch(ctx, qlen, 6, 2, 16, bits, block_size, device=device, store=pks.store_packed_kv)
+    assert all(int(b.cache.slot_of[b.block_tables[s, blk].long()]) < 0 for s, blk in ((1, 1), (2, 0)))  # decodes closed them
+    kw = dict(scale=0.25, num_splits=splits)
+    out = ppa.packed_paged_attention(*b.args(), **kw)
+    ref = ppa.reference_packed_paged_attention(*b.args(), scale=0.25)
+    tol = 1e-2 if device.type == "cuda" else 1e-5
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    cached = ppa.packed_paged_attention(b.q, None, None, *b.args()[3:], **kw)
+    torch.testing.assert_close(cached, ppa.reference_packed_paged_attention(b.q, None, None, *b.args()[3:], scale=0.25),
+                               rtol=tol, atol=tol)
+    for s in range(4):  # the rows read exact are ones the cache holds quantized
+        a, z = int(b.query_start_loc[s]), int(b.query_start_loc[s + 1])
+        assert (out[a:z] - cached[a:z]).abs().max() > 1e-3, s
+
+
 def test_cpu_routing_is_the_torch_path():
     b = make_packed_batch([6, 3], [2, 1], 4, 2, 16, 4)
     out = dispatch.packed_paged_attention(*b.args(), scale=0.25)
@@ -156,6 +180,10 @@ def test_bad_inputs_raise_one_line_errors():
         pks.reference_store_packed_kv(k[:, :1], v[:, :1], b.cache, s)
     with pytest.raises(KvslimError, match="not a multiple"):
         ppa.reference_packed_paged_attention(b.q[:, :3], *b.args()[1:], scale=1.0)
+    with pytest.raises(KvslimError, match="k/v must be"):
+        ppa.reference_packed_paged_attention(b.q, b.k_new.half(), *b.args()[2:], scale=1.0)
+    with pytest.raises(KvslimError, match="given together"):
+        ppa.reference_packed_paged_attention(b.q, None, *b.args()[2:], scale=1.0)
     b.cache.k_scale = b.cache.k_scale.float()
     with pytest.raises(KvslimError, match="k_scale must be torch.float16"):
         ppa.reference_packed_paged_attention(*b.args(), scale=1.0)
@@ -173,7 +201,7 @@ def test_gpu_packed_kv_real_sizes(bits, H, KVH, D, block_size, window):
     theirs = make_packed_batch(ctx, qlen, H, KVH, D, bits, block_size)
     for name in TENSORS:
         assert torch.equal(getattr(b.cache, name).cpu(), getattr(theirs.cache, name)), name
-    q = b.q.bfloat16()
-    out = ppa.packed_paged_attention(q, *b.args()[1:], scale=D ** -0.5, window=window).float()
-    ref = ppa.reference_packed_paged_attention(q, *b.args()[1:], scale=D ** -0.5, window=window).float()
+    args = (b.q.bfloat16(), b.k_new.bfloat16(), b.v_new.bfloat16(), *b.args()[3:])
+    out = ppa.packed_paged_attention(*args, scale=D ** -0.5, window=window).float()
+    ref = ppa.reference_packed_paged_attention(*args, scale=D ** -0.5, window=window).float()
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
