@@ -81,6 +81,8 @@ def variant_configs(base: dict, window: int = 512, full_every: int = 6) -> dict[
         "INT4 KV": ({**base}, "int4"),
         "INT2 KV": ({**base}, "int2"),
         "combined (MQA + share 2 + hybrid + FP8)": ({**base, **combined}, "fp8_e4m3"),
+        "MQA + INT4": ({**base, **mqa}, "int4"),
+        "kv-share 2 + INT4": ({**base, **share2}, "int4"),
         "hybrid + INT4": ({**base, **hybrid}, "int4"),
         "hybrid + INT2": ({**base, **hybrid}, "int2"),
         "combined (MQA + share 2 + hybrid + INT4)": ({**base, **combined}, "int4"),
