@@ -1,0 +1,147 @@
+"""int4/int2 KV options simulated in the transformers model, on the dev slice (never evaluation text).
+
+Each attention layer fake-quantizes K and V the way the paged cache stores them (keys per channel
+over each 64-token block, values per token and head, asymmetric, fp16 scale and minimum) and reads
+them as a decoded token does: earlier blocks quantized, its own block exact. Options:
+``pre_rope`` (keys quantized before RoPE, rotated after), ``k_rot`` / ``v_rot`` (a random-sign
+Hadamard rotation per head before quantizing, undone after), ``clip`` (per-group range shrink
+minimizing squared error), ``v_group`` (value groups along head_dim), ``k_bits`` / ``v_bits``.
+It ranks options cheaply; the served figures come from ``engine_kv_perplexity.py``.
+
+    python benchmarks/kv_quant_options.py --tokens 4096 --ctx 2048 '{"bits": 2}' '{"bits": 2, "pre_rope": true}'
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+
+BLOCK = 64
+LEVEL_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5)
+
+
+def hadamard(d: int, seed: int = 0) -> torch.Tensor:
+    """An orthonormal ``[d, d]`` Hadamard matrix with random column signs (``d`` a power of 2)."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    signs = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(seed)).float() * 2 - 1
+    return h / math.sqrt(d) * signs
+
+
+def fake_quantize(x: torch.Tensor, dim: int, bits: int, clip: bool) -> torch.Tensor:
+    """Asymmetric round-to-nearest with one fp16 (scale, minimum) per slice along ``dim``."""
+    levels = (1 << bits) - 1
+    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+
+    def rtn(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+        scale = ((hi - lo) / levels).clamp_min(1e-6).half().float()
+        lo16 = lo.half().float()
+        return torch.round((x - lo16) / scale).clamp(0, levels) * scale + lo16
+
+    best = rtn(lo, hi)
+    if clip:
+        best_err = ((best - x) ** 2).sum(dim, keepdim=True)
+        for r in LEVEL_SHRINK[1:]:
+            y = rtn(lo * r, hi * r)
+            err = ((y - x) ** 2).sum(dim, keepdim=True)
+            better = err < best_err
+            best, best_err = torch.where(better, y, best), torch.where(better, err, best_err)
+    return best
+
+
+class Options:
+    def __init__(self, spec: dict, head_dim: int):
+        self.spec = spec
+        self.bits = int(spec["bits"])
+        self.rot = hadamard(head_dim)
+
+    def keys(self, k: torch.Tensor) -> torch.Tensor:  # [B, KVH, T, D], T a multiple of BLOCK
+        b, h, t, d = k.shape
+        rot = self.spec.get("k_rot")
+        x = k @ self.rot if rot else k
+        y = fake_quantize(x.reshape(b, h, t // BLOCK, BLOCK, d), 3, self.spec.get("k_bits", self.bits),
+                          self.spec.get("clip", False)).reshape(b, h, t, d)
+        return y @ self.rot.T if rot else y
+
+    def values(self, v: torch.Tensor) -> torch.Tensor:
+        b, h, t, d = v.shape
+        rot, g = self.spec.get("v_rot"), self.spec.get("v_group", d)
+        x = v @ self.rot if rot else v
+        y = fake_quantize(x.reshape(b, h, t, d // g, g), -1, self.spec.get("v_bits", self.bits),
+                          self.spec.get("clip", False)).reshape(b, h, t, d)
+        return y @ self.rot.T if rot else y
+
+
+def install(options_ref: list) -> None:
+    """Replace Llama attention's forward with one that reads K/V as the options store them."""
+    import transformers.models.llama.modeling_llama as llama
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+        opt: Options = options_ref[0]
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q, k, v = (proj(hidden_states).view(shape).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        cos, sin = position_embeddings
+        t = k.shape[2]
+        pad = (-t) % BLOCK
+
+        def padded(x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.pad(x, (0, 0, 0, pad))
+
+        if opt.bits and opt.spec.get("pre_rope"):
+            kq = opt.keys(padded(k))[:, :, :t]
+            q, k = llama.apply_rotary_pos_emb(q, k, cos, sin)
+            _, kq = llama.apply_rotary_pos_emb(q, kq, cos, sin)
+        else:
+            q, k = llama.apply_rotary_pos_emb(q, k, cos, sin)
+            kq = opt.keys(padded(k))[:, :, :t] if opt.bits else k
+        vq = opt.values(padded(v))[:, :, :t] if opt.bits else v
+        rep = q.shape[1] // k.shape[1]
+        k, v, kq, vq = (x.repeat_interleave(rep, 1) for x in (k, v, kq, vq))
+        pos = torch.arange(t)
+        causal = pos[None, :] <= pos[:, None]
+        earlier = (pos[None, :] // BLOCK) < (pos[:, None] // BLOCK)  # key in an earlier block
+        scores = torch.where(earlier, q @ kq.transpose(-1, -2), q @ k.transpose(-1, -2)) * self.scaling
+        p = torch.softmax(scores.masked_fill(~causal, float("-inf")).float(), -1)
+        out = (p * earlier) @ vq + (p * ~earlier) @ v
+        return self.o_proj(out.transpose(1, 2).reshape(*hidden_states.shape[:-1], -1)), None
+
+    llama.LlamaAttention.forward = forward
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("options", nargs="+", help='JSON per run, e.g. \'{"bits": 2, "pre_rope": true}\' ({"bits": 0}: exact)')
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+
+    from dev_slice import dev_slice
+    from transformers import AutoModelForCausalLM
+
+    from foundation.model_source import resolve_model
+    from foundation.perplexity import hf_logits_fn, perplexity
+
+    path = resolve_model("smollm2")
+    ids, name = dev_slice(path, 64, args.tokens)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    current: list = [None]
+    install(current)
+    results = {}
+    for raw in args.options:
+        current[0] = Options(json.loads(raw), model.config.head_dim)
+        r = perplexity(hf_logits_fn(model), ids, name, context=args.ctx, stride=args.ctx // 2)
+        results[raw] = r.perplexity
+        print(f"{r.perplexity:8.3f}  {raw}  ({r.describe()})", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"text": name, "ctx": args.ctx, "perplexity": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
