@@ -5,7 +5,7 @@ over each 64-token block, values per token and head, asymmetric, fp16 scale and 
 them as a decoded token does: earlier blocks quantized, its own block exact. Options:
 ``pre_rope`` (keys quantized before RoPE, rotated after), ``k_rot`` / ``v_rot`` (a random-sign
 Hadamard rotation per head before quantizing, undone after), ``clip`` (per-group range shrink
-minimizing squared error), ``v_group`` (value groups along head_dim), ``k_bits`` / ``v_bits``.
+about its centre, minimizing squared error), ``v_group`` (value groups along head_dim), ``k_bits`` / ``v_bits``.
 It ranks options cheaply; the served figures come from ``engine_kv_perplexity.py``.
 
     python benchmarks/kv_quant_options.py --tokens 4096 --ctx 2048 '{"bits": 2}' '{"bits": 2, "pre_rope": true}'
@@ -45,8 +45,9 @@ def fake_quantize(x: torch.Tensor, dim: int, bits: int, clip: bool) -> torch.Ten
     best = rtn(lo, hi)
     if clip:
         best_err = ((best - x) ** 2).sum(dim, keepdim=True)
+        mid, half = (lo + hi) / 2, (hi - lo) / 2
         for r in LEVEL_SHRINK[1:]:
-            y = rtn(lo * r, hi * r)
+            y = rtn(mid - half * r, mid + half * r)
             err = ((y - x) ** 2).sum(dim, keepdim=True)
             better = err < best_err
             best, best_err = torch.where(better, y, best), torch.where(better, err, best_err)
@@ -139,7 +140,9 @@ def main() -> int:
         results[raw] = r.perplexity
         print(f"{r.perplexity:8.3f}  {raw}  ({r.describe()})", flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"text": name, "ctx": args.ctx, "perplexity": results}, indent=2))
+        from foundation.atomic import write_text_atomic
+
+        write_text_atomic(args.json, json.dumps({"text": name, "ctx": args.ctx, "perplexity": results}, indent=2))
     return 0
 
 

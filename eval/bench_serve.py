@@ -226,7 +226,7 @@ def format_summary(s: BenchSummary) -> str:
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     if s.server_kv:
         kv = s.server_kv
-        per_token = f", {kv['bytes_per_token']:.0f} B/token" if kv.get("bytes_per_token") is not None else ""
+        per_token = f", {kv['bytes_per_token']:g} B/token" if kv.get("bytes_per_token") is not None else ""
         lines.append(f"{'Server KV cache':<{width}}  {kv.get('kv_dtype', '?')}{per_token}")
     lines += [f"error: {e}" for e in s.errors]
     return "\n".join(lines)

@@ -195,6 +195,8 @@ class EvalPlan:
             "batch_size": self.batch_size,
             "kvslim_dtype": choose_activation_dtype(self.dtype).name,  # auto resolves by the CPU
             **({"kvslim_kv_cache_dtype": self.kv_cache_dtype} if self.kv_cache_dtype != "auto" else {}),
+            # how int4/int2 KV is read (a step's own rows exact, score a block per step)
+            **({"kvslim_low_bit_read": 2} if self.kv_cache_dtype in ("int4", "int2") else {}),
             "pack_version": PACK_VERSION,
             "lm_eval": lm_eval.__version__,
             "transformers": transformers.__version__,

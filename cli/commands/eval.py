@@ -73,6 +73,18 @@ def _check_context(ckpt, context: int | None) -> None:
         raise KvslimError(f"--ctx {context} is longer than the model's {positions} positions (max_position_embeddings)")
 
 
+def _check_json_path(path: Path | None) -> None:
+    """Refuse a --json path that cannot be written before any work, not after a long run."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise KvslimError(f"--json {path}: is a directory")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise KvslimError(f"--json {path}: cannot create its directory ({e.strerror})") from None
+
+
 def write_json(path: Path, results, baseline=None, gates=None) -> None:
     """Every score (and the baseline's and the gates, when run) as one JSON file, written atomically."""
     doc = {"results": json.loads(results.to_json())}
@@ -82,7 +94,10 @@ def write_json(path: Path, results, baseline=None, gates=None) -> None:
         doc["gates"] = [asdict(g) for g in gates]
     from foundation.atomic import write_text_atomic
 
-    write_text_atomic(path, json.dumps(doc, indent=2, sort_keys=True))
+    try:
+        write_text_atomic(path, json.dumps(doc, indent=2, sort_keys=True))
+    except OSError as e:
+        raise KvslimError(f"--json {path}: cannot write it ({e.strerror})") from None
 
 
 def _fmt(x: float | None, digits: int = 4) -> str:
@@ -131,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
         raise KvslimError("--kv-cache-dtype applies to --backend kvslim (the hf backend keeps transformers' cache)")
     plan = EvalPlan.make(_task_list(args.tasks), args.limit, args.ppl_tokens, args.batch_size, args.dtype,
                          args.kv_cache_dtype, args.ctx, args.text)
+    _check_json_path(args.json)
     ckpt = _checked_checkpoint(args.checkpoint)
     baseline = _checked_checkpoint(args.baseline) if args.baseline is not None else None
     for path in (ckpt, baseline):

@@ -194,24 +194,33 @@ class PagedAttentionBackend:
         self.params = tuple(params)
         self.batch: PagedBatch | None = None
         self._plans: dict[tuple[int, int | None, torch.dtype, bool], _ReadPlan] = {}
+        # int4/int2: each cache slot's new rows this step, for the layers that read that slot's KV
+        self._fresh: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def set_batch(self, batch: PagedBatch) -> None:
         self.batch = batch
         self._plans = {}
+        self._fresh = {}
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
         batch = self.batch
         assert batch is not None, "set_batch() before attend()"
-        g, _ = self.cache.spec.layer_slots[layer_idx]
+        slot = self.cache.spec.layer_slots[layer_idx]
+        g = slot[0]
         params = self.params[layer_idx]
         if k is not None:
             self.cache.write(layer_idx, k, v, batch.slot_mapping[g])
+        packed = self.cache.is_packed(layer_idx)
+        if packed and k is not None:
+            self._fresh[slot] = (k, v)
+        elif packed:  # a layer reading another layer's KV reads its new rows exact too
+            k, v = self._fresh.get(slot, (None, None))
         softcap = params.softcap is not None
         key = (g, params.window, q.dtype, softcap)
         if key not in self._plans:
             self._plans[key] = _plan(batch, batch.block_tables[g], params.window, q.dtype, softcap)
         plan = self._plans[key]
-        fresh_exact = k is not None and self.cache.is_packed(layer_idx)  # read this step's rows exact
+        fresh_exact = k is not None and packed  # read this step's rows exact
         if plan.decode_blocks is not None and not plan.chunks:  # a pure decode step
             kk, vv = self.cache.gather(layer_idx, plan.decode_blocks, q.dtype)
             if fresh_exact:

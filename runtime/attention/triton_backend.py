@@ -6,7 +6,7 @@ whole flattened batch, routed by ``dispatch``: Triton on CUDA, the plain-torch r
 bf16/fp16/fp32/fp8/int8 layers take ``store_kv`` and ``paged_attention``; packed int4/int2 layers
 (``PackedLayerCache``) ``store_packed_kv`` and ``packed_paged_attention``, which reads the
 step's own new rows exact from ``k``/``v``, as the torch path. Layers that read another layer's
-KV get the owner's tensors from the cache, the step's rows included.
+KV get the owner's cache tensors, and with int4/int2 the owner's new rows of this step.
 """
 from __future__ import annotations
 
@@ -47,9 +47,12 @@ class KernelAttentionBackend:
         self._store, self._attention, self._store_packed, self._attention_packed, takes_maxima = _PATHS[use_triton]
         self._takes_maxima = takes_maxima
         self._maxima: dict = {}
+        # int4/int2: each cache slot's new rows this step, for the layers that read that slot's KV
+        self._fresh: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def set_batch(self, batch: PagedBatch) -> None:
         self.batch = batch
+        self._fresh = {}
         if self._takes_maxima:
             self._maxima = dict(
                 max_query_len=max(batch.query_lens, default=0),
@@ -59,13 +62,17 @@ class KernelAttentionBackend:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
         batch = self.batch
         assert batch is not None, "set_batch() before attend()"
-        g, _ = self.cache.spec.layer_slots[layer_idx]
+        slot = self.cache.spec.layer_slots[layer_idx]
+        g = slot[0]
         lc = self.cache.layers[layer_idx]
         params = self.params[layer_idx]
         meta = (batch.block_tables[g], batch.context_lens, batch.query_start_loc, params.scale, params.window, params.softcap)
         if isinstance(lc, PackedLayerCache):
             if k is not None:
                 self._store_packed(k, v, lc, batch.slot_mapping[g])
+                self._fresh[slot] = (k, v)
+            else:  # a layer reading another layer's KV reads its new rows exact too
+                k, v = self._fresh.get(slot, (None, None))
             return self._attention_packed(q, k, v, lc, *meta, **self._maxima)
         if k is not None:
             self._store(k, v, lc.k_cache, lc.v_cache, batch.slot_mapping[g], lc.k_scale, lc.v_scale)

@@ -68,15 +68,15 @@ def quantize_value_rows(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch
 def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int,
                     dtype: torch.dtype) -> torch.Tensor:
     """Codes ``[..., block_size, kvh, Dp]`` with ``[..., kvh, D]`` parameters -> ``[..., block_size, kvh, D]``."""
-    c = unpack(codes, bits).to(dtype)
-    return c * scale.unsqueeze(-3).to(dtype) + lo.unsqueeze(-3).to(dtype)
+    c = unpack(codes, bits).float()  # fp32 math, one rounding to dtype (as the kernel)
+    return (c * scale.unsqueeze(-3).float() + lo.unsqueeze(-3).float()).to(dtype)
 
 
 def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int,
                       dtype: torch.dtype) -> torch.Tensor:
     """Codes ``[..., kvh, Dp]`` with ``[..., kvh]`` parameters -> ``[..., kvh, D]``."""
-    c = unpack(codes, bits).to(dtype)
-    return c * scale.unsqueeze(-1).to(dtype) + lo.unsqueeze(-1).to(dtype)
+    c = unpack(codes, bits).float()
+    return (c * scale.unsqueeze(-1).float() + lo.unsqueeze(-1).float()).to(dtype)
 
 
 def bytes_per_token_head(head_dim: int, bits: int, block_size: int) -> float:

@@ -294,7 +294,7 @@ class Engine:
         paged cache (so quantized KV is read back as served), fed in ``pieces`` (token counts
         that sum to T; default: chunks of ``max_num_batched_tokens``, or of one block with int4/int2
         KV, so that every token reads what it would when decoded: earlier blocks quantized, its own
-        block exact). Call between steps; the sequence's blocks are freed before returning."""
+        block exact; decoding, a block's last token reads its block-mates quantized). Call between steps; the sequence's blocks are freed before returning."""
         ids = [int(t) for t in token_ids]
         if not 0 < len(ids) <= self.max_model_len:
             raise KvslimError(f"score needs 1..{self.max_model_len} tokens, got {len(ids)}")

@@ -131,7 +131,7 @@ class ThreadedEngine:
             try:
                 outs = self.engine.step()
             except Exception as e:  # a failed step fails every request in flight, not the server
-                sys.stderr.write(f"compress serve: engine step failed, {len(self._by_rid)} request(s) aborted: "
+                sys.stderr.write(f"engine step failed, {len(self._by_rid)} request(s) aborted: "
                                  f"{type(e).__name__}: {e}\n")
                 traceback.print_exc(file=sys.stderr)
                 for rid in list(self._by_rid):

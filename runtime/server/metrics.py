@@ -31,7 +31,7 @@ class KVFootprint:
 
     bytes_per_token: float
     original_bytes_per_token: float
-    kv_dtype: str = "bf16"  # what the served cache stores (KVCacheSpec group dtype name)
+    kv_dtype: str  # what the served cache stores (KVCacheSpec group dtype name)
 
     @property
     def saving(self) -> float:

@@ -189,6 +189,7 @@ def test_bad_text_file_exit_2_with_one_line(tiny_with_tokenizer, tmp_path, capsy
         (["--ctx", "100000"], "longer than the model's"),
         (["--ctx", "1"], "--ctx must be >= 2"),
         (["--tasks", "ppl_text"], "give it with --text FILE"),
+        (["--json", "/"], "--json /: is a directory"),
     ],
 )
 def test_bad_context_or_text_task_exit_2(tiny_with_tokenizer, tmp_path, capsys, args, message):

@@ -48,7 +48,7 @@ def client(tiny_chat_checkpoint, engine):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_chat_checkpoint)
-    with TestClient(create_app(engine, tokenizer, MODEL, KVFootprint(1.0, 2.0))) as c:
+    with TestClient(create_app(engine, tokenizer, MODEL, KVFootprint(1.0, 2.0, "fp32"))) as c:
         yield c
 
 
