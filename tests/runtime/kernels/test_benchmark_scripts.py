@@ -3,6 +3,7 @@ exercises their logic (shapes, bytes, reference checks, JSON) through the Triton
 (already active in this process: tests/conftest.py sets TRITON_INTERPRET without CUDA)."""
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,30 @@ def test_kernels_roofline_smoke(tmp_path):
     assert rows[1]["group"] == 64
     assert rows[1]["bytes"] == 64 * 96 + 64 * 3 * 2 + 8 * 3 * 4 + 192 * 4 + 64 * 4
     assert all(r["ok"] for r in rows)
+
+
+def test_kv_quant_peer_counts_what_quantized_cache_allocates(monkeypatch):
+    pytest.importorskip("optimum.quanto")
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # the script sets a default; restored after
+    spec = importlib.util.spec_from_file_location("kv_quant_peer", ROOT / "benchmarks" / "kv_quant_peer.py")
+    peer = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "kv_quant_peer", peer)  # its dataclasses look their module up there
+    spec.loader.exec_module(peer)
+    assert peer.split_at_blocks(peer.window_chunks(130, 64, 64), 64) == [63, 1, 63, 1, 2]
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=192, num_attention_heads=3, num_key_value_heads=3)
+    kv = [torch.randn(1, 3, 64, 64) for _ in range(4)]
+    for residual, quantized in ((64, 128), (128, 64)):
+        cache = peer.quantized_cache_factory(SimpleNamespace(config=config), "quanto", 4, residual, 64)()
+        for layer in range(2):
+            cache.update(kv[0], kv[1], layer)
+            cache.update(kv[2], kv[3], layer)
+        b = peer.cache_bytes(cache)
+        assert (b.tokens, b.quantized_tokens) == (128, quantized)
+        # per layer, K and V: 4-bit codes; fp32 scale + shift per channel and 64 tokens (K), per token and head (V)
+        assert b.codes == 2 * 2 * quantized * 3 * 64 // 2
+        assert b.params == 2 * 2 * (quantized * 3 // 64 * 64 + quantized * 3) * 4
+        assert b.residual == 2 * 2 * (128 - quantized) * 3 * 64 * 4
