@@ -296,5 +296,6 @@ def bench_serve(base_url: str, num_prompts: int, request_rate: float, max_concur
 
 
 def write_json(summary: BenchSummary, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(asdict(summary), indent=2, allow_nan=True) + "\n")
+    from foundation.atomic import write_text_atomic
+
+    write_text_atomic(path, json.dumps(asdict(summary), indent=2, allow_nan=True) + "\n")

@@ -52,25 +52,17 @@ def _task_list(raw: list[str] | None) -> list[str] | None:
     return tasks
 
 
-def _checked_checkpoint(model_arg: str):
-    """Resolve ``model_arg`` and open it (truncated files, missing config: one-line errors) before any work."""
+def _checked_checkpoint(model_arg: str, context: int | None = None) -> Path:
+    """Resolve ``model_arg`` and open it (truncated files, missing config: one-line errors) before any
+    work; refuse a perplexity ``context`` longer than its positions."""
     from foundation.checkpoint import Checkpoint
     from foundation.model_source import resolve_model
 
     path = resolve_model(model_arg).resolve()
-    Checkpoint.open(path)
-    return path
-
-
-def _check_context(ckpt, context: int | None) -> None:
-    """Refuse a perplexity context longer than the model's positions before anything loads."""
-    if context is None:
-        return
-    from foundation.checkpoint import Checkpoint
-
-    positions = Checkpoint.open(ckpt).config.get("max_position_embeddings")
-    if positions is not None and context > int(positions):
+    positions = Checkpoint.open(path).config.get("max_position_embeddings")
+    if context is not None and positions is not None and context > int(positions):
         raise KvslimError(f"--ctx {context} is longer than the model's {positions} positions (max_position_embeddings)")
+    return path
 
 
 def _check_json_path(path: Path | None) -> None:
@@ -147,11 +139,8 @@ def run(args: argparse.Namespace) -> int:
     plan = EvalPlan.make(_task_list(args.tasks), args.limit, args.ppl_tokens, args.batch_size, args.dtype,
                          args.kv_cache_dtype, args.ctx, args.text)
     _check_json_path(args.json)
-    ckpt = _checked_checkpoint(args.checkpoint)
-    baseline = _checked_checkpoint(args.baseline) if args.baseline is not None else None
-    for path in (ckpt, baseline):
-        if path is not None:
-            _check_context(path, args.ctx)
+    ckpt = _checked_checkpoint(args.checkpoint, args.ctx)
+    baseline = _checked_checkpoint(args.baseline, args.ctx) if args.baseline is not None else None
     ppl_tasks = plan.perplexity_tasks()
     if args.ppl_tokens is not None and ppl_tasks:
         from transformers import AutoTokenizer
