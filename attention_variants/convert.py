@@ -1,9 +1,10 @@
-"""`compress convert`: rewrite a checkpoint's attention (GQA/MQA, KV sharing, hybrid sliding).
+"""`compress convert`: rewrite a checkpoint's attention (GQA/MQA, KV sharing, hybrid sliding, sinks).
 
 The rewrites combine in one pass, in this order: merge KV heads, share KV across layers (within
-runs of layers of the same kind), then mark layers local/global. The output is a plain HF
-checkpoint whose config states the new layout; where transformers cannot express it (KV sharing
-anywhere; per-layer windows on Llama/Mistral) it also carries our modeling file (``auto_map``).
+runs of layers of the same kind), then mark layers local/global, with attention sinks on the
+local ones. The output is a plain HF checkpoint whose config states the new layout; where
+transformers cannot express it (KV sharing or sinks anywhere; per-layer windows on
+Llama/Mistral) it also carries our modeling file (``auto_map``).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from attention_variants.attention_inputs import AttentionInputs, capture_attenti
 from attention_variants.modeling_files import CAUSAL_LM_CLASSES, auto_map_for, write_modeling_file
 from foundation.architecture import model_type_of
 from foundation.atomic import atomic_output_dir, check_output_dir
-from foundation.attention_layout import KV_SOURCE_KEY, AttentionLayout
+from foundation.attention_layout import KV_SOURCE_KEY, SINKS_KEY, AttentionLayout
 from foundation.calibration import CalibrationSpec, calibration_ids
 from foundation.checkpoint import Checkpoint, ShardWriter, write_config
 from foundation.errors import KvslimError, UnsupportedArchitecture
@@ -27,6 +28,7 @@ NATIVE_HYBRID = ("qwen2", "qwen3", "gemma3_text")  # transformers honours layer_
 # Calibration windows: the rewrites fit on every layer's attention inputs, held in memory at once.
 DEFAULT_CALIB_SEQS = 2
 DEFAULT_CALIB_SEQ_LEN = 1024
+DEFAULT_SINKS = 4  # StreamingLLM: 4 initial tokens restore a window-only model's perplexity
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class ConvertSpec:
     global_every: int | None = None
     global_layers: tuple[int, ...] | None = None
     global_select: sliding.GlobalSelect = "fixed"
+    sinks: int = 0  # attention sinks on the sliding layers (the new ones, or the model's own)
     merge: gqa.MergeMethod = "calib"  # GQA merge, and whether KV-sharing readers get fitted maps
     calib: str | None = None  # named text range or file (default wikipedia:calib)
     calib_seqs: int = DEFAULT_CALIB_SEQS
@@ -56,6 +59,8 @@ class ConvertSpec:
         if self.sliding_window is not None:
             which = f"layers {list(self.global_layers)}" if self.global_layers else f"1 in {self.global_every}"
             parts.append(f"sliding window {self.sliding_window}, global {which} ({self.global_select})")
+        if self.sinks:
+            parts.append(f"{self.sinks} attention sinks")
         return " + ".join(parts)
 
     @property
@@ -85,8 +90,16 @@ def validate(spec: ConvertSpec, config: dict) -> AttentionLayout:
     model_type = model_type_of(config)
     layout = AttentionLayout.from_config(config)
     n_layers, n_heads, n_kv = layout.num_layers, layout.num_heads, layout.num_kv_heads
-    if spec.kv_heads is None and spec.kv_share is None and spec.sliding_window is None:
-        raise KvslimError("nothing to convert: pass --kv-heads N / --mqa, --kv-share K or --sliding-window W")
+    if spec.kv_heads is None and spec.kv_share is None and spec.sliding_window is None and not spec.sinks:
+        raise KvslimError("nothing to convert: pass --kv-heads N / --mqa, --kv-share K, --sliding-window W or --sinks S")
+    if spec.sinks < 0:
+        raise KvslimError(f"--sinks {spec.sinks} must be 0 or more")
+    if spec.sinks and spec.sliding_window is None and not layout.sliding_layers():
+        raise KvslimError("--sinks needs --sliding-window W (the model has no sliding layers)")
+    if spec.sinks and any(l.sinks for l in layout.layers):
+        raise KvslimError("--sinks conflicts with the model's existing attention sinks")
+    if spec.sinks and model_type not in CAUSAL_LM_CLASSES:
+        raise UnsupportedArchitecture(f"--sinks is not supported for model_type {model_type} (no kvslim modeling file)")
     if spec.kv_heads is not None:
         n = spec.kv_heads
         if n < 1 or n_heads % n:
@@ -162,10 +175,12 @@ def rewrite(
         sources = kv_sharing.choose_suppliers(weights, config, spec.kv_share, spec.kv_share_select, fit, calib, kinds)
         weights = kv_sharing.share_kv(weights, config, sources, fit, calib)
         config[KV_SOURCE_KEY] = sources
+    if spec.sinks:
+        config[SINKS_KEY] = spec.sinks
     layout = AttentionLayout.from_config(config)  # re-validates the combination
     config.update(layout.config_updates())
     hybrid_needs_ours = spec.sliding_window is not None and config["model_type"] not in NATIVE_HYBRID
-    if spec.kv_share is not None or hybrid_needs_ours:
+    if spec.kv_share is not None or hybrid_needs_ours or spec.sinks:
         config["auto_map"] = auto_map_for(config["model_type"])
     return weights, config
 

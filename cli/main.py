@@ -18,7 +18,7 @@ COMMANDS: dict[str, str] = {
     "quantize": "quantize weights to FP8 / INT8 / INT4 (compressed-tensors)",
     "inspect": "describe a checkpoint: layout, scheme, bytes, KV per token, vLLM kernel fit",
     "generate": "continue a prompt with the kvslim runtime (--stats: weight and KV bytes)",
-    "convert": "rewrite attention: MQA/GQA, cross-layer KV sharing, hybrid sliding window",
+    "convert": "rewrite attention: MQA/GQA, cross-layer KV sharing, hybrid sliding window, attention sinks",
     "heal": "distil the original model into a converted one (recover quality)",
     "serve": "serve a checkpoint over an OpenAI-compatible HTTP API (streaming, /metrics)",
     "bench": "benchmarks: `bench serve` load-tests a running server (TTFT, TPOT, ITL, tok/s)",

@@ -6,6 +6,9 @@ Config keys (the shared definitions every stage uses):
   Window convention (as transformers masks it): with window W, the query at position i attends
   keys j with i - W < j <= i, i.e. itself and the W - 1 tokens before it. A sliding layer's cache
   therefore needs at most W tokens per sequence.
+- ``num_sink_tokens`` S (kvslim's key, written by ``compress convert --sinks``): sliding layers
+  also attend to the first S tokens of the sequence (StreamingLLM's attention sinks), at their
+  original positions; such a layer's cache holds at most S + W tokens per sequence.
 - ``kv_source_layers``: a list, one entry per layer, the index of the layer whose K/V this layer
   reads (equal to its own index when it computes and caches its own). Written by
   ``compress convert --kv-share``; absent means every layer owns its cache.
@@ -18,6 +21,7 @@ from typing import Literal
 from foundation.errors import KvslimError
 
 KV_SOURCE_KEY = "kv_source_layers"
+SINKS_KEY = "num_sink_tokens"
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 
@@ -30,6 +34,13 @@ class LayerAttention:
     window: int | None
     num_kv_heads: int
     kv_source: int
+    sinks: int = 0  # sliding layers: the first ``sinks`` tokens stay visible to every query
+
+    def cached_tokens(self, context_len: int) -> int:
+        """Tokens of a ``context_len``-token sequence this layer's cache must hold."""
+        if self.kind == "full":
+            return context_len
+        return min(context_len, self.window + self.sinks)
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,9 @@ class AttentionLayout:
         n_kv = int(config.get("num_key_value_heads") or n_heads)
         head_dim = int(config.get("head_dim") or config["hidden_size"] // n_heads)
         window = config.get("sliding_window")
+        sinks = config.get(SINKS_KEY) or 0
+        if not isinstance(sinks, int) or sinks < 0:
+            raise KvslimError(f"config {SINKS_KEY}={sinks!r} must be a non-negative integer")
         types = config.get("layer_types")
         if types is None:
             # Mistral-style: a sliding_window alone applies to every layer; Qwen2 gates it.
@@ -83,10 +97,13 @@ class AttentionLayout:
             sliding = t == SLIDING
             if sliding and window is None:
                 raise KvslimError(f"layer {i} is sliding but config has no sliding_window")
-            layers.append(LayerAttention("sliding" if sliding else "full", int(window) if sliding else None, n_kv, int(src)))
+            layers.append(LayerAttention("sliding" if sliding else "full", int(window) if sliding else None, n_kv,
+                                         int(src), sinks if sliding else 0))
+        if sinks and not any(l.kind == "sliding" for l in layers):
+            raise KvslimError(f"config {SINKS_KEY}={sinks} but no layer is sliding")
         for i, l in enumerate(layers):
             owner = layers[l.kv_source]
-            if (owner.kind, owner.window) != (l.kind, l.window):
+            if (owner.kind, owner.window, owner.sinks) != (l.kind, l.window, l.sinks):
                 raise KvslimError(f"layer {i} reads layer {l.kv_source}'s KV but their windows differ")
         return cls(n_heads, head_dim, tuple(layers))
 
@@ -99,6 +116,11 @@ class AttentionLayout:
                 raise KvslimError("HF configs hold one sliding_window for all sliding layers")
             updates["sliding_window"] = windows.pop()
             updates["layer_types"] = [SLIDING if l.kind == "sliding" else FULL for l in self.layers]
+            sinks = {l.sinks for l in self.layers if l.kind == "sliding"}
+            if len(sinks) > 1:
+                raise KvslimError(f"configs hold one {SINKS_KEY} for all sliding layers")
+            if sinks != {0}:
+                updates[SINKS_KEY] = sinks.pop()
         sources = [l.kv_source for l in self.layers]
         if sources != list(range(self.num_layers)):
             updates[KV_SOURCE_KEY] = sources
@@ -110,15 +132,14 @@ class AttentionLayout:
 
         Sum over cache-owning layers of ``2 * num_kv_heads * (head_dim * dtype_bytes +
         scale_bytes) * tokens``, where ``tokens`` is ``context_len`` for full layers and
-        ``min(context_len, window)`` for sliding ones. ``scale_bytes`` is per token and head (4 for
+        ``min(context_len, window + sinks)`` for sliding ones. ``scale_bytes`` is per token and head (4 for
         fp32 per-token scales, 0 for bf16 or per-layer scalar scales). Layers that read another
         layer's KV add nothing.
         """
         total = 0.0
         for i in self.cache_owners():
             l = self.layers[i]
-            tokens = context_len if l.kind == "full" else min(context_len, l.window or context_len)
-            total += 2 * l.num_kv_heads * (self.head_dim * dtype_bytes + scale_bytes) * tokens
+            total += 2 * l.num_kv_heads * (self.head_dim * dtype_bytes + scale_bytes) * l.cached_tokens(context_len)
         return total
 
     def kv_bytes_per_token(self, context_len: int, dtype_bytes: float, scale_bytes: float = 0.0) -> float:

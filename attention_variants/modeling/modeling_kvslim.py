@@ -3,6 +3,8 @@
 Adds to transformers' Llama / Mistral / Qwen2 / Qwen3 what their configs cannot express:
 
 - ``layer_types`` + ``sliding_window`` per layer (hybrid local/global attention) for every family;
+- ``num_sink_tokens`` S: sliding layers also attend to the first S tokens (attention sinks), so
+  their cache keeps every token (a DynamicCache's sliding layers are swapped for full ones);
 - ``kv_source_layers``: layer ``i`` attends with the (rotated, cached) K/V of layer
   ``kv_source_layers[i]``; a reader layer has no ``k_proj`` / ``v_proj`` and stores no cache.
 
@@ -15,7 +17,7 @@ import inspect
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -32,6 +34,7 @@ CACHE_ARG = "cache" if "cache" in inspect.signature(create_causal_mask).paramete
 _OUTPUT_CACHE = "cache" if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)} else "past_key_values"
 
 KV_SOURCE_KEY = "kv_source_layers"
+SINKS_KEY = "num_sink_tokens"
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 
@@ -48,6 +51,28 @@ def _kv_sources(config) -> list[int]:
     return list(getattr(config, KV_SOURCE_KEY, None) or range(config.num_hidden_layers))
 
 
+def _sinks(config) -> int:
+    return int(getattr(config, SINKS_KEY, None) or 0)
+
+
+def sink_window_overlay(window: int, sinks: int):
+    """Mask function: key within the last ``window`` positions of the query, or among the first ``sinks``."""
+
+    def inner(batch_idx, head_idx, q_idx, kv_idx):
+        return (q_idx - kv_idx < window) | (kv_idx < sinks)
+
+    return inner
+
+
+def _keep_every_token(cache) -> None:
+    """Sink layers read the first tokens forever: a fresh DynamicCache's sliding layers become full."""
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, DynamicSlidingWindowLayer) and not layer.is_initialized:
+            cache.layers[i] = DynamicLayer()
+        elif getattr(layer, "is_sliding", False):
+            raise ValueError("attention sinks need a cache that keeps every token (a DynamicCache)")
+
+
 class KvslimAttentionMixin:
     """Attention that honours a per-layer window and reads another layer's K/V when told to."""
 
@@ -56,6 +81,7 @@ class KvslimAttentionMixin:
     def setup_kvslim(self, config, layer_idx: int) -> None:
         self.kv_source = _kv_sources(config)[layer_idx]
         self.sliding_window = config.sliding_window if _layer_types(config)[layer_idx] == SLIDING else None
+        self.window_kwarg = None if _sinks(config) else self.sliding_window  # the mask carries sinks
         if self.kv_source != layer_idx:
             del self.k_proj, self.v_proj
             if self.qk_norm:
@@ -91,7 +117,7 @@ class KvslimAttentionMixin:
         out, weights = interface(
             self, query, key, value, attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling, sliding_window=self.sliding_window, **kwargs,
+            scaling=self.scaling, sliding_window=self.window_kwarg, **kwargs,
         )
         return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
@@ -118,6 +144,9 @@ class KvslimModelMixin:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
+        sinks = _sinks(self.config)
+        if sinks and cache is not None:
+            _keep_every_token(cache)
         if position_ids is None:
             past_seen = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen
@@ -128,7 +157,10 @@ class KvslimModelMixin:
             mask_kwargs = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                                position_ids=position_ids, **{CACHE_ARG: cache})
             masks = {FULL: create_causal_mask(**mask_kwargs)}
-            if SLIDING in types:
+            if SLIDING in types and sinks:
+                overlay = sink_window_overlay(self.config.sliding_window, sinks)
+                masks[SLIDING] = create_causal_mask(**mask_kwargs, and_mask_function=overlay)
+            elif SLIDING in types:
                 masks[SLIDING] = create_sliding_window_causal_mask(**mask_kwargs)
         hidden = inputs_embeds
         position_embeddings = self.rotary_emb(hidden, position_ids)

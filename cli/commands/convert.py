@@ -1,4 +1,4 @@
-"""`compress convert`: rewrite attention into MQA/GQA, cross-layer KV sharing, hybrid sliding window."""
+"""`compress convert`: rewrite attention into MQA/GQA, cross-layer KV sharing, hybrid sliding window, sinks."""
 from __future__ import annotations
 
 import argparse
@@ -30,6 +30,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     glob = p.add_mutually_exclusive_group()
     glob.add_argument("--global-every", type=int, metavar="G", help="one global layer in G (layers G-1, 2G-1, ...)")
     glob.add_argument("--global-layers", type=_layer_list, metavar="i,j,...", help="these layers stay global")
+    p.add_argument("--sinks", type=int, metavar="S", default=None,
+                   help="sliding layers also attend to the first S tokens (attention sinks; default 4 with "
+                        "--sliding-window, 0 turns them off)")
     p.add_argument("--global-select", choices=("fixed", "calib"), default="fixed",
                    help="calib: choose as many global layers by attention mass beyond W on calibration text")
     p.add_argument("--calib", metavar="TEXT_OR_FILE", help="calibration text: wikipedia:calib (default) or a file")
@@ -43,7 +46,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from attention_variants.convert import ConvertSpec, convert
+    from attention_variants.convert import DEFAULT_SINKS, ConvertSpec, convert
     from attention_variants.convert_and_heal import convert_and_heal
     from attention_variants.summary import eval_perplexity, print_summary
     from foundation.errors import KvslimError
@@ -58,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
         global_every=args.global_every,
         global_layers=args.global_layers,
         global_select=args.global_select,
+        sinks=args.sinks if args.sinks is not None else DEFAULT_SINKS if args.sliding_window else 0,
         merge=args.merge,
         calib=args.calib,
     )

@@ -35,6 +35,7 @@ class AttentionParams:
     window: int | None  # None = full attention; else attend to itself and window-1 earlier tokens
     kv_source: int  # layer whose cache holds this layer's K/V
     softcap: float | None = None
+    sinks: int = 0  # with a window: the first ``sinks`` positions stay visible too
 
 
 class AttentionBackend(Protocol):
@@ -52,11 +53,13 @@ def reference_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: int = 0,
 ) -> torch.Tensor:
     """Plain-torch causal attention for one sequence, in fp32.
 
     q ``[Tq, H, D]``; k, v ``[Tk, KVH, D]``; positions are absolute token indices. Query i attends
-    key j when ``k_pos[j] <= q_pos[i]`` and, with a window W, ``q_pos[i] - k_pos[j] < W``.
+    key j when ``k_pos[j] <= q_pos[i]`` and, with a window W, ``q_pos[i] - k_pos[j] < W`` or
+    ``k_pos[j] < sinks``.
     """
     h, kvh = q.shape[1], k.shape[1]
     rep = h // kvh
@@ -69,7 +72,7 @@ def reference_attention(
     dist = q_positions.view(-1, 1) - k_positions.view(1, -1)
     allowed = dist >= 0
     if window is not None:
-        allowed &= dist < window
+        allowed &= (dist < window) | (k_positions.view(1, -1) < sinks)
     scores = scores.masked_fill(~allowed, float("-inf"))
     out = torch.softmax(scores, dim=-1) @ vf  # [H, Tq, D]
     return out.transpose(0, 1).to(q.dtype)

@@ -120,12 +120,16 @@ class _ReadPlan:
     decode_allowed: torch.Tensor | None
     decode_bias: torch.Tensor | None
     decode_new_key: torch.Tensor | None  # [S_decode]: each new token's own key among the Tk read
-    # (seq, rows, blocks [1, nb], allowed [1, n, Tk], position of the first key read)
+    # (seq, rows, blocks [1, nb], allowed [1, n, Tk], index of the chunk's first key among those read)
     chunks: tuple[tuple[int, slice, torch.Tensor, torch.Tensor, int], ...]
 
 
-def _plan(batch: PagedBatch, table: torch.Tensor, window: int | None, dtype: torch.dtype, softcap: bool) -> _ReadPlan:
+def _plan(batch: PagedBatch, table: torch.Tensor, window: int | None, sinks: int, dtype: torch.dtype,
+          softcap: bool) -> _ReadPlan:
+    """Blocks read: all of them (full attention), or the window's blocks after the blocks
+    holding the ``sinks`` first positions (each block read once)."""
     bs = batch.block_size
+    sink_blocks = -(-sinks // bs) if window is not None else 0
     decode_blocks = decode_allowed = decode_bias = decode_new_key = None
     if batch.decode_seqs.numel():
         idx = batch.decode_seqs
@@ -134,14 +138,15 @@ def _plan(batch: PagedBatch, table: torch.Tensor, window: int | None, dtype: tor
             cols = torch.arange(-(-int(ctx.max()) // bs)).expand(len(idx), -1)
         else:
             n = -(-(window + bs - 1) // bs)
-            cols = (ctx - window).clamp_min(0).div(bs, rounding_mode="floor")[:, None] + torch.arange(n)
+            lo = (ctx - window).clamp_min(0).div(bs, rounding_mode="floor").clamp_min(sink_blocks)
+            cols = torch.cat([torch.arange(sink_blocks).expand(len(idx), -1), lo[:, None] + torch.arange(n)], dim=1)
         # Columns past a table's end read block 0; their key positions are >= ctx, so masked.
         decode_blocks = table[idx[:, None], cols.clamp_max(table.shape[1] - 1)]
         key_pos = (cols[:, :, None] * bs + torch.arange(bs)).flatten(1)  # [S, Tk]
-        decode_new_key = ctx - 1 - cols[:, 0] * bs
+        decode_new_key = (key_pos == (ctx - 1)[:, None]).int().argmax(dim=1)
         allowed = key_pos < ctx[:, None]
         if window is not None:
-            allowed &= key_pos >= (ctx - window)[:, None]
+            allowed &= (key_pos >= (ctx - window)[:, None]) | (key_pos < sinks)
         if softcap:
             decode_allowed = allowed.unsqueeze(1)
         else:
@@ -154,14 +159,14 @@ def _plan(batch: PagedBatch, table: torch.Tensor, window: int | None, dtype: tor
         first = batch.first_positions[i]
         ctx = first + n
         lo = 0 if window is None else max(0, first - window + 1) // bs
-        cols = torch.arange(lo, -(-ctx // bs))
+        cols = torch.cat([torch.arange(min(sink_blocks, lo)), torch.arange(lo, -(-ctx // bs))])
         key_pos = (cols[:, None] * bs + torch.arange(bs)).flatten()
         dist = torch.arange(first, ctx)[:, None] - key_pos[None, :]
         allowed = dist >= 0
         if window is not None:
-            allowed &= dist < window
+            allowed &= (dist < window) | (key_pos < sinks)[None, :]
         chunks.append((i, slice(starts[i], starts[i] + n), table[i, cols].unsqueeze(0), allowed.unsqueeze(0),
-                       int(cols[0]) * bs))
+                       (min(sink_blocks, lo) - lo) * bs + first))
     return _ReadPlan(decode_blocks, decode_allowed, decode_bias, decode_new_key, tuple(chunks))
 
 
@@ -193,7 +198,7 @@ class PagedAttentionBackend:
         self.cache = cache
         self.params = tuple(params)
         self.batch: PagedBatch | None = None
-        self._plans: dict[tuple[int, int | None, torch.dtype, bool], _ReadPlan] = {}
+        self._plans: dict[tuple[int, int | None, int, torch.dtype, bool], _ReadPlan] = {}
         # int4/int2: each cache slot's new rows this step, for the layers that read that slot's KV
         self._fresh: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -216,9 +221,9 @@ class PagedAttentionBackend:
         elif packed:  # a layer reading another layer's KV reads its new rows exact too
             k, v = self._fresh.get(slot, (None, None))
         softcap = params.softcap is not None
-        key = (g, params.window, q.dtype, softcap)
+        key = (g, params.window, params.sinks, q.dtype, softcap)
         if key not in self._plans:
-            self._plans[key] = _plan(batch, batch.block_tables[g], params.window, q.dtype, softcap)
+            self._plans[key] = _plan(batch, batch.block_tables[g], params.window, params.sinks, q.dtype, softcap)
         plan = self._plans[key]
         fresh_exact = k is not None and packed  # read this step's rows exact
         if plan.decode_blocks is not None and not plan.chunks:  # a pure decode step
@@ -234,7 +239,7 @@ class PagedAttentionBackend:
                 _put_decode_rows(kk, vv, k[rows], v[rows], plan.decode_new_key)
             out[rows] = _attend_decode(q[rows], kk, vv, plan, params)
         fresh_ok = k is not None and (fresh_exact or self.cache.stores_exactly(layer_idx, q.dtype))
-        for i, rows, blocks, allowed, key_start in plan.chunks:
+        for i, rows, blocks, allowed, fresh_at in plan.chunks:
             n = rows.stop - rows.start
             if fresh_ok and batch.first_positions[i] == 0 and (params.window or n) >= n and params.softcap is None:
                 # A whole prompt in one chunk: its keys are exactly this step's k/v.
@@ -246,8 +251,7 @@ class PagedAttentionBackend:
                 continue
             kk, vv = self.cache.gather(layer_idx, blocks, q.dtype)
             if fresh_exact:
-                at = batch.first_positions[i] - key_start
-                kk[0, at:at + n], vv[0, at:at + n] = k[rows], v[rows]
+                kk[0, fresh_at:fresh_at + n], vv[0, fresh_at:fresh_at + n] = k[rows], v[rows]
             out[rows] = _attend(q[rows].unsqueeze(0), kk, vv, allowed, params).squeeze(0)
         return out
 

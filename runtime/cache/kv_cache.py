@@ -1,7 +1,7 @@
 """Paged KV cache: cache groups from an ``AttentionLayout``, tensors allocated per group.
 
-A *cache group* gathers the cache-owning layers that share (kind, window, kv heads, head dim,
-KV dtype); its layers share one block table per sequence (the block manager keeps one pool per
+A *cache group* gathers the cache-owning layers that share (kind, window, sinks, kv heads, head
+dim, KV dtype); its layers share one block table per sequence (the block manager keeps one pool per
 group), and each layer has its own slot of tensors. Layers that read another layer's KV
 (``kv_source != index``) map to the owner's (group, slot) and allocate nothing.
 
@@ -66,6 +66,7 @@ class CacheGroup:
     head_dim: int
     kv_dtype: str
     layers: tuple[int, ...]
+    sinks: int = 0  # sliding groups: the first ``sinks`` positions are never released
 
     @property
     def quantized(self) -> bool:
@@ -102,12 +103,12 @@ class KVCacheSpec:
         members: dict[tuple, list[int]] = {}
         for i in layout.cache_owners():
             l = layout.layers[i]
-            key = (l.kind, l.window, l.num_kv_heads, layout.head_dim, kv_dtype)
+            key = (l.kind, l.window, l.num_kv_heads, layout.head_dim, kv_dtype, l.sinks)
             if key not in members:
                 keys.append(key)
                 members[key] = []
             members[key].append(i)
-        groups = tuple(CacheGroup(*key, layers=tuple(members[key])) for key in keys)
+        groups = tuple(CacheGroup(*key[:5], layers=tuple(members[key]), sinks=key[5]) for key in keys)
         owner_slot = {layer: (g, s) for g, grp in enumerate(groups) for s, layer in enumerate(grp.layers)}
         slots = tuple(owner_slot[l.kv_source] for l in layout.layers)
         return cls(groups, slots, block_size, static_scales)
@@ -115,6 +116,14 @@ class KVCacheSpec:
     @property
     def windows(self) -> tuple[int | None, ...]:
         return tuple(g.window for g in self.groups)
+
+    @property
+    def sinks(self) -> tuple[int, ...]:
+        return tuple(g.sinks for g in self.groups)
+
+    def sink_blocks(self, g: int) -> int:
+        """Leading blocks group ``g`` keeps for its attention sinks."""
+        return -(-self.groups[g].sinks // self.block_size)
 
     def scale_bytes(self, group: CacheGroup) -> int:
         """Bytes of scale per token and head (0 for unquantized or per-layer scalar scales)."""
@@ -149,7 +158,7 @@ class KVCacheSpec:
         if window is None:
             return full
         # W live positions [p - W + 1, p] span at most this many blocks, wherever they start.
-        return min(full, math.ceil((window + self.block_size - 1) / self.block_size))
+        return min(full, math.ceil((window + self.block_size - 1) / self.block_size) + self.sink_blocks(g))
 
     def blocks_in_flight(self, g: int, max_model_len: int, chunk: int) -> int:
         """Blocks one sequence may hold at once in group ``g`` while a prefill chunk of ``chunk``
@@ -158,7 +167,7 @@ class KVCacheSpec:
         window = self.groups[g].window
         if window is None:
             return full
-        return min(full, math.ceil((window + chunk + 2 * self.block_size) / self.block_size))
+        return min(full, math.ceil((window + chunk + 2 * self.block_size) / self.block_size) + self.sink_blocks(g))
 
     def plan_num_blocks(self, budget_bytes: int, max_model_len: int) -> tuple[int, ...]:
         """Blocks per group for a byte budget, split so every group runs out at the same number

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -24,7 +24,6 @@ from foundation.attention_layout import (
     KV_SOURCE_KEY,
     SLIDING,
     AttentionLayout,
-    LayerAttention,
 )
 from runtime.cache.kv_cache import KVCache, KVCacheSpec
 from runtime.cache.kv_quant import QUANT_DTYPES
@@ -45,6 +44,7 @@ class GroupReport:
     allocated_bytes: int  # counted from the tensors
     formula_bytes_per_token: float  # AttentionLayout.kv_bytes_per_token at seq_len, this group's layers
     counted_bytes_per_token: float  # bytes of the blocks one seq_len sequence holds / seq_len
+    sinks: int = 0
 
 
 @dataclass(frozen=True)
@@ -100,10 +100,7 @@ def share_pairs(layer_types: list[str]) -> list[int]:
 
 def _group_layout(layout: AttentionLayout, layers: tuple[int, ...]) -> AttentionLayout:
     """The sub-layout of one cache group's layers (each owning its cache), for the formula."""
-    sub = tuple(
-        LayerAttention(layout.layers[l].kind, layout.layers[l].window, layout.layers[l].num_kv_heads, i)
-        for i, l in enumerate(layers)
-    )
+    sub = tuple(replace(layout.layers[l], kv_source=i) for i, l in enumerate(layers))
     return AttentionLayout(layout.num_heads, layout.head_dim, sub)
 
 
@@ -111,7 +108,7 @@ def measure_capacity(spec: KVCacheSpec, num_blocks: tuple[int, ...], seq_len: in
     """Admit ``seq_len``-token sequences until a block allocation fails.
 
     Returns (sequences held, blocks one full sequence holds per group)."""
-    bm = BlockManager(num_blocks, spec.block_size, spec.windows, enable_prefix_caching=False)
+    bm = BlockManager(num_blocks, spec.block_size, spec.windows, enable_prefix_caching=False, sinks=spec.sinks)
     bs = spec.block_size
     held, per_seq = 0, None
     empty = PrefixHit(0, tuple(() for _ in num_blocks), ())
@@ -161,7 +158,8 @@ def report_variant(name: str, config: dict, kv_dtype: str, budget_bytes: int, se
         slot_bytes = nbytes / (num_blocks[g] * block_size) if num_blocks[g] else 0.0
         formula = _group_layout(layout, grp.layers).kv_bytes_per_token(seq_len, spec.element_bytes(g), spec.scale_bytes(grp))
         groups.append(GroupReport(grp.kind, grp.window, len(grp.layers), grp.num_kv_heads, kv_dtype,
-                                  num_blocks[g], nbytes, formula, slot_bytes * per_seq[g] * block_size / seq_len))
+                                  num_blocks[g], nbytes, formula, slot_bytes * per_seq[g] * block_size / seq_len,
+                                  grp.sinks))
     del cache
     return VariantReport(
         name=name,
@@ -225,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"in bf16 ({r.residual_bytes_per_seq / 1024:.0f} KiB, not in B/tok)")
     for r in reports:
         for g in r.groups:
-            print(f"  {r.name}: {g.kind}{'' if g.window is None else f'/{g.window}'} x{g.num_layers} layers, "
+            window = "" if g.window is None else f"/{g.window}" + (f"+{g.sinks} sinks" if g.sinks else "")
+            print(f"  {r.name}: {g.kind}{window} x{g.num_layers} layers, "
                   f"{g.num_kv_heads} KV heads: {g.formula_bytes_per_token:.0f} B/tok formula, "
                   f"{g.counted_bytes_per_token:.0f} counted, {g.num_blocks} blocks")
     if args.json:

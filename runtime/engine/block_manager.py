@@ -8,7 +8,8 @@ prefix reuses it ("evictable" cached blocks count as free).
 ``BlockManager`` keeps, per sequence, one block table per group (logical block -> physical id;
 ``-1`` for blocks a sliding-window group released). A token at position ``p`` is in logical
 block ``p // block_size``. Sliding groups only hold the blocks of positions a future query can
-still see: the query at ``p`` reads keys ``j`` with ``p - W < j <= p``.
+still see: the query at ``p`` reads keys ``j`` with ``p - W < j <= p``, and, with S attention
+sinks, ``j < S``: the blocks holding the first S positions stay until the sequence ends.
 
 Prefix caching is enabled only when every group is full attention (a hit must be valid in every
 group, and a sliding group has already dropped the early blocks).
@@ -99,13 +100,16 @@ class BlockManager:
         windows: Sequence[int | None],
         enable_prefix_caching: bool = True,
         on_free: Callable[[int, int], None] | None = None,
+        sinks: Sequence[int] | None = None,
     ):
         """``on_free(group, block)``: told each block that returns to its pool (the cache drops
-        state it keeps per block)."""
+        state it keeps per block). ``sinks``: attention-sink tokens per group (default none)."""
         if len(num_blocks) != len(windows):
             raise ValueError("one window (or None) per cache group")
         self.block_size = block_size
         self.windows = tuple(windows)
+        sinks = tuple(sinks) if sinks is not None else (0,) * len(windows)
+        self.sink_blocks = tuple(-(-s // block_size) for s in sinks)
         self.pools = [BlockPool(n, None if on_free is None else partial(on_free, g)) for g, n in enumerate(num_blocks)]
         self.prefix_caching = enable_prefix_caching and all(w is None for w in windows)
         self.tables: dict[int, list[list[int]]] = {}
@@ -196,7 +200,8 @@ class BlockManager:
         for g, pool in enumerate(self.pools):
             table = tables[g]
             start = self._live_start(g, first_new)
-            need = [b for b in range(start, end) if b >= len(table) or table[b] == RELEASED]
+            live = [*range(min(self.sink_blocks[g], start)), *range(start, end)]
+            need = [b for b in live if b >= len(table) or table[b] == RELEASED]
             if len(need) > pool.num_free:
                 return False
             missing.append(need)
@@ -215,7 +220,7 @@ class BlockManager:
             if self.windows[g] is None:
                 continue
             table = self.tables[seq_id][g]
-            for b in range(min(self._live_start(g, num_computed), len(table))):
+            for b in range(self.sink_blocks[g], min(self._live_start(g, num_computed), len(table))):
                 if table[b] != RELEASED:
                     pool.release(table[b])
                     table[b] = RELEASED

@@ -137,7 +137,7 @@ class Engine:
         self.backend = make_attention_backend(
             config.attention_backend, self.cache, [spec.attention_params(i) for i in range(spec.num_layers)])
         self.block_manager = BlockManager(num_blocks, self.block_size, self.kv_spec.windows, config.enable_prefix_caching,
-                                          on_free=self.cache.release_block)
+                                          on_free=self.cache.release_block, sinks=self.kv_spec.sinks)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.block_manager
         )

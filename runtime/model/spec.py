@@ -88,7 +88,7 @@ class ModelSpec(ModelShapes):
 
     def attention_params(self, layer: int) -> AttentionParams:
         la = self.attention.layers[layer]
-        return AttentionParams(self.attn_scale, la.window, la.kv_source, self.attn_logit_softcap)
+        return AttentionParams(self.attn_scale, la.window, la.kv_source, self.attn_logit_softcap, la.sinks)
 
     @classmethod
     def from_config(cls, config: dict, generation_config: dict | None = None) -> "ModelSpec":

@@ -16,6 +16,7 @@ def test_convert_writes_checkpoint_and_summary(tiny_llama, tmp_path, capsys):
     assert "KiB/token" in text and "KV heads" in text
     config = json.loads((out / "config.json").read_text())
     assert config["num_key_value_heads"] == 1 and config["sliding_window"] == 16
+    assert config["num_sink_tokens"] == 4  # the default with a window
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +48,9 @@ BAD = {
     "window_without_globals": ("llama", ["--sliding-window", "16"], "exactly one of"),
     "globals_out_of_range": ("llama", ["--sliding-window", "16", "--global-layers", "1,9"], "distinct layers"),
     "already_sliding": ("mistral", ["--sliding-window", "16", "--global-every", "2"], "conflicts"),
+    "sinks_without_window": ("llama", ["--mqa", "--sinks", "4"], "needs --sliding-window"),
+    "negative_sinks": ("llama", ["--sliding-window", "16", "--global-every", "2", "--sinks", "-1"], "0 or more"),
+    "gemma_sinks": ("gemma3_text", ["--sinks", "4"], "not supported for model_type gemma3_text"),
     "already_mqa": ("gemma3_text", ["--mqa"], "conflicts"),
     "gemma_share": ("gemma3_text", ["--kv-share", "2"], "not supported"),
     "nothing": ("llama", [], "nothing to convert"),

@@ -1,8 +1,12 @@
+import inspect
+from dataclasses import replace
+
 import pytest
 import torch
 
 from attention_variants.convert import ConvertSpec
 from attention_variants.sliding import global_layers_every
+from attention_variants.summary import load_for_eval
 from foundation.attention_layout import FULL, SLIDING
 from tests.attention_variants.helpers import config_of, convert_tiny, logits
 
@@ -35,3 +39,25 @@ def test_calibrated_global_layers(tiny_llama, tmp_path):
 
 def test_one_global_layer_in_g():
     assert global_layers_every(30, 6) == [5, 11, 17, 23, 29]
+
+
+def test_sinks_keep_the_first_tokens_visible(tiny_llama, tmp_path):
+    """Sinks change nothing before the window is full, and every later token; the modeling file's
+    cached decode (its DynamicCache keeps every token of the sink layers) equals one pass."""
+    spec = ConvertSpec(sliding_window=8, global_layers=(3,))
+    plain = convert_tiny(tiny_llama, tmp_path / "w8", spec)
+    sinks = convert_tiny(tiny_llama, tmp_path / "w8s2", replace(spec, sinks=2))
+    config = config_of(sinks)
+    assert config["num_sink_tokens"] == 2 and "auto_map" in config
+    new, ref = logits(sinks, IDS), logits(plain, IDS)
+    torch.testing.assert_close(new[:, :8], ref[:, :8], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(new[:, 8:], ref[:, 8:], atol=1e-3)
+    model = load_for_eval(sinks)
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        out = model(input_ids=IDS[:, :12], use_cache=True)
+        steps, cache = [out.logits], getattr(out, cache_arg)
+        for t in range(12, IDS.shape[1]):
+            out = model(input_ids=IDS[:, t:t + 1], use_cache=True, **{cache_arg: cache})
+            steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), new, atol=1e-4, rtol=1e-4)

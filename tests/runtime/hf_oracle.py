@@ -3,6 +3,7 @@ and our runtime driven the way the engine drives it (prefill, chunks, single-tok
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -27,12 +28,13 @@ def _kvslim_modeling():
 def hf_model(path: Path, dtype: torch.dtype = torch.float32, ours: bool = False):
     """transformers' model for a checkpoint; ``ours``: the class of our modeling file (the
     oracle for layouts plain transformers cannot express), imported from the repository."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     if not ours:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    config = AutoConfig.from_pretrained(path)
-    cls = getattr(_kvslim_modeling(), CAUSAL_LM_CLASSES[config.model_type])
+    # config.json's model_type: AutoConfig reads a Mistral config with layer_types as "ministral"
+    model_type = json.loads((Path(path) / "config.json").read_text())["model_type"]
+    cls = getattr(_kvslim_modeling(), CAUSAL_LM_CLASSES[model_type])
     return cls.from_pretrained(path, dtype=dtype).eval()
 
 

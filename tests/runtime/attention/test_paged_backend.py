@@ -35,24 +35,25 @@ def _roundtrip(x, kv_dtype, static_scale):
 
 
 @pytest.mark.parametrize(
-    "kv_dtype,static,softcap",
-    [("fp32", False, None), ("bf16", False, 5.0), ("fp8_e4m3", False, None), ("int8", False, None), ("int8", True, None)],
+    "kv_dtype,static,softcap,sinks",
+    [("fp32", False, None, 0), ("bf16", False, 5.0, 0), ("fp8_e4m3", False, None, 0), ("int8", False, None, 0),
+     ("int8", True, None, 0), ("fp32", False, None, 3), ("bf16", False, 5.0, 6), ("int8", False, None, 1)],
 )
-def test_paged_matches_reference(kv_dtype, static, softcap):
+def test_paged_matches_reference(kv_dtype, static, softcap, sinks):
     torch.manual_seed(0)
     rng = random.Random(0)
-    layout = AttentionLayout.from_config(CONFIG)
+    layout = AttentionLayout.from_config({**CONFIG, "num_sink_tokens": sinks})
     bs = 4
     spec = KVCacheSpec.from_layout(layout, kv_dtype, block_size=bs, static_scales=static)
     assert [g.layers for g in spec.groups] == [(0,), (1, 3)]
     assert spec.layer_slots == ((0, 0), (1, 0), (0, 0), (1, 1))
     scales = {i: (0.05, 0.04) for i in layout.cache_owners()} if static else None
     cache = KVCache(spec, (64, 64), layer_scales=scales)
-    bm = BlockManager((64, 64), bs, spec.windows, enable_prefix_caching=False)
-    params = [AttentionParams(0.35, l.window, l.kv_source, softcap) for l in layout.layers]
+    bm = BlockManager((64, 64), bs, spec.windows, enable_prefix_caching=False, sinks=spec.sinks)
+    params = [AttentionParams(0.35, l.window, l.kv_source, softcap, l.sinks) for l in layout.layers]
     backend = PagedAttentionBackend(cache, params)
     H, KVH, D = 4, 2, 8
-    targets = {0: 13, 1: 3, 2: 9}  # final lengths
+    targets = {0: 21, 1: 3, 2: 17}  # final lengths
     computed = {s: 0 for s in targets}
     hist = {(s, i): ([], []) for s in targets for i in layout.cache_owners()}
     step = 0
@@ -90,7 +91,7 @@ def test_paged_matches_reference(kv_dtype, static, softcap):
                 assert kk.shape[0] == first + n
                 ref = reference_attention(
                     q[row:row + n], kk, vv, torch.arange(first, first + n), torch.arange(first + n),
-                    0.35, la.window, softcap,
+                    0.35, la.window, softcap, la.sinks,
                 )
                 torch.testing.assert_close(out[row:row + n], ref, rtol=1e-4, atol=1e-4)
                 row += n
@@ -102,6 +103,7 @@ def test_paged_matches_reference(kv_dtype, static, softcap):
         assert len([b for b in full if b >= 0]) == -(-targets[s] // bs)
         bm.release_window(s, targets[s])
         live = [b for b in sliding if b >= 0]
-        assert len(live) <= -(-(WINDOW + bs - 1) // bs)
+        assert len(live) <= -(-(WINDOW + bs - 1) // bs) + -(-sinks // bs)
+        assert all(b >= 0 for b in sliding[:-(-sinks // bs)])  # the sink blocks stay
         bm.free(s)
     assert bm.num_free(0) == 64 and bm.num_free(1) == 64

@@ -74,19 +74,30 @@ CONVERSIONS = {
     "share2": ConvertSpec(kv_share=2, merge="mean"),
     "share2_hybrid": ConvertSpec(kv_share=2, merge="mean", sliding_window=8, global_every=4),
     "hybrid": ConvertSpec(sliding_window=8, global_every=2),
+    "hybrid_sinks": ConvertSpec(sliding_window=8, global_every=2, sinks=3),
+    "share2_hybrid_sinks": ConvertSpec(kv_share=2, merge="mean", sliding_window=6, global_every=4, sinks=5),
 }
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("conversion", sorted(CONVERSIONS))
 def test_converted_checkpoints_match_their_modeling_file(tiny_checkpoints, tmp_path, arch, conversion):
-    """`compress convert` output (KV sharing, hybrid sliding window) against the modeling file
-    it carries."""
+    """`compress convert` output (KV sharing, hybrid sliding window, sinks) against the modeling
+    file it carries."""
     out = convert(tiny_checkpoints[arch], CONVERSIONS[conversion], tmp_path / "converted").out
     config = json.loads((out / "config.json").read_text())
     if CONVERSIONS[conversion].kv_share:
         assert config["kv_source_layers"] != list(range(4))
     assert_matches_hf(out, ours="auto_map" in config)
+
+
+def test_sinks_on_a_native_sliding_model_match_the_modeling_file(tmp_path):
+    """Mistral's own window (every layer sliding) gains sinks; the checkpoint then carries our file."""
+    src = make_tiny_checkpoint(tmp_path / "mistral_w8", "mistral", sliding_window=8)
+    out = convert(src, ConvertSpec(sinks=3), tmp_path / "sinks").out
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_sink_tokens"] == 3 and "auto_map" in config
+    assert_matches_hf(out, ours=True)
 
 
 def test_converted_mqa_matches_hf(tiny_checkpoints, tmp_path):
