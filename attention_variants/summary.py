@@ -54,8 +54,9 @@ def print_summary(source: Path, result, spec, eval_tokens: int) -> None:
     if result.calibration:
         print(f"  calibration: {result.calibration}")
     owners = len(after.cache_owners())
+    sinks = max((l.sinks for l in after.layers), default=0)
     print(f"  layout: {after.num_kv_heads} KV heads, {owners}/{after.num_layers} layers own a cache, "
-          f"{len(after.sliding_layers())} sliding")
+          f"{len(after.sliding_layers())} sliding{f' ({sinks} sinks)' if sinks else ''}")
     max_context = int(Checkpoint.open(source).config.get("max_position_embeddings") or EVAL_CONTEXT)
     for context in sorted({EVAL_CONTEXT, max_context}):
         b, a = before.kv_bytes_per_token(context, BF16), after.kv_bytes_per_token(context, BF16)

@@ -117,7 +117,9 @@ def format_inspection(ins: Inspection, per_layer: bool = False) -> str:
     sliding = lay.sliding_layers()
     if sliding:
         windows = sorted({lay.layers[i].window for i in sliding})
-        lines.append(f"  sliding window {', '.join(map(str, windows))} on {len(sliding)} layers "
+        sinks = sorted({lay.layers[i].sinks for i in sliding})
+        sink_text = f" + {', '.join(map(str, sinks))} attention sinks" if sinks != [0] else ""
+        lines.append(f"  sliding window {', '.join(map(str, windows))}{sink_text} on {len(sliding)} layers "
                      f"{sliding}; full attention on {lay.num_layers - len(sliding)}")
     else:
         lines.append("  full attention on every layer")

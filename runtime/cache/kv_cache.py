@@ -169,13 +169,19 @@ class KVCacheSpec:
             return full
         return min(full, math.ceil((window + chunk + 2 * self.block_size) / self.block_size) + self.sink_blocks(g))
 
-    def plan_num_blocks(self, budget_bytes: int, max_model_len: int) -> tuple[int, ...]:
+    def plan_num_blocks(self, budget_bytes: int, max_model_len: int,
+                        min_blocks: tuple[int, ...] | None = None) -> tuple[int, ...]:
         """Blocks per group for a byte budget, split so every group runs out at the same number
-        of ``max_model_len`` sequences (sliding groups need only their window's blocks)."""
-        per_seq = [self.max_blocks_per_seq(g, max_model_len) for g in range(len(self.groups))]
+        of ``max_model_len`` sequences (sliding groups need only their window's blocks).
+        ``min_blocks``: per group, blocks set aside first (a lone sequence's prefill), the rest
+        split as above."""
+        groups = range(len(self.groups))
+        floor = min_blocks or (0,) * len(self.groups)
+        budget_bytes -= sum(floor[g] * self.block_bytes(g) for g in groups)
+        per_seq = [self.max_blocks_per_seq(g, max_model_len) for g in groups]
         seq_bytes = sum(n * self.block_bytes(g) for g, n in enumerate(per_seq))
-        num_seqs = budget_bytes / seq_bytes
-        return tuple(int(num_seqs * n) for n in per_seq)
+        num_seqs = max(budget_bytes, 0) / seq_bytes
+        return tuple(floor[g] + int(num_seqs * n) for g, n in enumerate(per_seq))
 
 
 @dataclass

@@ -22,6 +22,7 @@ import torch
 from foundation.attention_layout import (
     FULL,
     KV_SOURCE_KEY,
+    SINKS_KEY,
     SLIDING,
     AttentionLayout,
 )
@@ -62,13 +63,17 @@ class VariantReport:
     residual_bytes_per_seq: int = 0  # int4/int2: the open block each running sequence keeps in bf16
 
 
-def variant_configs(base: dict, window: int = 512, full_every: int = 6) -> dict[str, tuple[dict, str]]:
+def variant_configs(base: dict, window: int = 512, full_every: int = 6, short_window: int = 256,
+                    sinks: int = 4) -> dict[str, tuple[dict, str]]:
     """The report's variants of ``base``: name -> (config, kv dtype). Hybrid keeps every
-    ``full_every``-th layer full and slides the rest over ``window`` tokens (Gemma 3's pattern)."""
+    ``full_every``-th layer full and slides the rest over ``window`` tokens (Gemma 3's pattern);
+    the sinks variant slides over ``short_window`` tokens plus ``sinks`` attention sinks."""
     n = int(base["num_hidden_layers"])
     mqa = {"num_key_value_heads": 1}
     types = [FULL if i % full_every == full_every - 1 else SLIDING for i in range(n)]
     hybrid = {"sliding_window": window, "layer_types": types}
+    with_sinks = {"sliding_window": short_window, "layer_types": types, SINKS_KEY: sinks}
+    sinks_name = f"sliding {short_window} + {sinks} sinks, 1 in {full_every} full"
     share2 = {KV_SOURCE_KEY: share_pairs([FULL] * n)}
     combined = {**mqa, **hybrid, KV_SOURCE_KEY: share_pairs(types)}
     return {
@@ -85,6 +90,8 @@ def variant_configs(base: dict, window: int = 512, full_every: int = 6) -> dict[
         "kv-share 2 + INT4": ({**base, **share2}, "int4"),
         "hybrid + INT4": ({**base, **hybrid}, "int4"),
         "hybrid + INT2": ({**base, **hybrid}, "int2"),
+        sinks_name: ({**base, **with_sinks}, "bf16"),
+        f"{sinks_name} + INT4": ({**base, **with_sinks}, "int4"),
         "combined (MQA + share 2 + hybrid + INT4)": ({**base, **combined}, "int4"),
     }
 

@@ -121,9 +121,12 @@ class Engine:
         self.block_size = config.block_size or default_block_size(kv_dtype)
         self.kv_spec = KVCacheSpec.from_layout(layout, kv_dtype, self.block_size, static_scales=static)
         self.max_model_len = config.max_model_len or min(spec.max_position_embeddings, 4096)
-        num_blocks = self.kv_spec.plan_num_blocks(config.kv_cache_bytes, self.max_model_len)
-        for g in range(len(self.kv_spec.groups)):
-            need = self.kv_spec.blocks_in_flight(g, self.max_model_len, config.max_num_batched_tokens)
+        in_flight = tuple(self.kv_spec.blocks_in_flight(g, self.max_model_len, config.max_num_batched_tokens)
+                          for g in range(len(self.kv_spec.groups)))
+        # Sliding groups reserve for decoding; a lone sequence's prefill chunk needs more.
+        floor = tuple(max(0, need - self.kv_spec.max_blocks_per_seq(g, self.max_model_len)) for g, need in enumerate(in_flight))
+        num_blocks = self.kv_spec.plan_num_blocks(config.kv_cache_bytes, self.max_model_len, floor)
+        for g, need in enumerate(in_flight):
             if num_blocks[g] < need:  # a lone sequence must always fit
                 raise KvslimError(
                     f"KV cache of {config.kv_cache_bytes / MIB:.0f} MiB holds {num_blocks[g]} blocks in group {g}; "

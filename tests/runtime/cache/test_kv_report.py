@@ -33,9 +33,9 @@ def test_groups_split_by_window_and_dtype_scales():
     assert spec.max_blocks_per_seq(0, 64) == 3 and spec.max_blocks_per_seq(1, 64) == 16
 
 
-@pytest.mark.parametrize("name", list(variant_configs(BASE, window=16, full_every=3)))
+@pytest.mark.parametrize("name", list(variant_configs(BASE, window=16, full_every=3, short_window=8, sinks=4)))
 def test_formula_equals_counted_and_capacity_fits_budget(name):
-    cfg, kv_dtype = variant_configs(BASE, window=16, full_every=3)[name]
+    cfg, kv_dtype = variant_configs(BASE, window=16, full_every=3, short_window=8, sinks=4)[name]
     budget, seq_len = 2 << 20, 64
     r = report_variant(name, cfg, kv_dtype, budget, seq_len, block_size=4)
     assert r.allocated_bytes <= budget
@@ -51,7 +51,7 @@ def test_formula_equals_counted_and_capacity_fits_budget(name):
 
 
 def test_variants_beat_original():
-    reports = {n: report_variant(n, c, d, 4 << 20, 64, 4) for n, (c, d) in variant_configs(BASE, 16, 3).items()}
+    reports = {n: report_variant(n, c, d, 4 << 20, 64, 4) for n, (c, d) in variant_configs(BASE, 16, 3, 8, 4).items()}
     base = reports["original bf16"].capacity_seqs
     assert all(r.capacity_seqs > base for n, r in reports.items() if n != "original bf16")
     assert reports["MQA (1 KV head)"].capacity_seqs >= 2.9 * base

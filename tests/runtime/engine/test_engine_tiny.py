@@ -109,6 +109,38 @@ def test_kv_sharing_model_matches_core(kv_shared_checkpoint):
         assert_same(e, r)
 
 
+def test_sinks_model_matches_core_and_holds_only_sinks_and_window(tiny_llama, tmp_path):
+    """Sliding layers with attention sinks: the same outputs as the plain run, and over a long
+    generation each decoding sequence's sliding group never holds more than its sink blocks, its
+    window's blocks and one block being filled (counted from the block tables after every step)."""
+    from attention_variants.convert import ConvertSpec, convert
+
+    path = convert(tiny_llama, ConvertSpec(sliding_window=8, global_layers=(3,), sinks=5), tmp_path / "sinks").out
+    core = LLM(path, max_model_len=128)
+    bs = 4
+    engine = Engine(core.model, EngineConfig(block_size=bs, max_num_batched_tokens=12, max_model_len=128,
+                                             kv_cache_bytes=1 << 20))
+    sliding = [g for g, grp in enumerate(engine.kv_spec.groups) if grp.window is not None]
+    assert [engine.kv_spec.groups[g].sinks for g in sliding] == [5]
+    limit = -(-5 // bs) + -(-(8 + bs - 1) // bs) + 1
+    ps = prompts(4, seed=3, lo=20, hi=40)
+    params = SamplingParams(max_tokens=80, temperature=0, logprobs=3, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in ps]
+    outs, most, decoding = {}, 0, set()
+    while engine.has_unfinished:
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+            elif len(o.token_ids) >= 2:  # past its prompt's chunks (a chunk needs its own blocks too)
+                decoding.add(o.request_id)
+        for seq_id, tables in engine.block_manager.tables.items():
+            if seq_id in decoding:
+                most = max(most, sum(1 for b in tables[sliding[0]] if b >= 0))
+    assert 0 < most <= limit
+    for i, r in zip(ids, core.generate(ps, params)):
+        assert_same(outs[i], r)
+
+
 def test_prefix_hits_and_preemption_keep_outputs(tiny_llama):
     core = LLM(tiny_llama, max_model_len=96)
     system = torch.arange(100, 140).tolist()  # a 40-token shared "system prompt"
