@@ -20,11 +20,9 @@ class AttentionInputs:
 
     inputs: tuple[torch.Tensor, ...]
     text: str  # the named range or file the tokens came from
-    # per layer: mean attention probability on keys >= ``window`` positions back (queries past it),
-    # sinks excluded: the first ``sinks`` keys stay visible to a sliding layer
+    # per layer: mean attention probability on keys >= ``window`` positions back (queries past it)
     far_mass: tuple[float, ...] | None = None
     window: int | None = None
-    sinks: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -47,23 +45,20 @@ class AttentionInputs:
         return f"{self.num_seqs} x {self.seq_len} tokens of {self.text}"
 
 
-def _far_mass(attn: torch.Tensor, window: int, sinks: int = 0) -> float:
-    """Mean probability that queries ``i >= window`` put on keys ``sinks <= j <= i - window``."""
+def _far_mass(attn: torch.Tensor, window: int) -> float:
+    """Mean probability that queries ``i >= window`` put on keys ``j <= i - window``."""
     probs = attn[0, :, window:].float()  # [heads, queries, keys]
     rows = torch.arange(window, attn.shape[-1]).unsqueeze(1)
-    keys = torch.arange(attn.shape[-1]).unsqueeze(0)
-    far = (keys <= rows - window) & (keys >= sinks)
+    far = torch.arange(attn.shape[-1]).unsqueeze(0) <= rows - window
     return float((probs * far).sum(-1).mean())
 
 
 @torch.no_grad()
-def capture_attention_inputs(model, ids: torch.Tensor, text: str, window: int | None = None,
-                             sinks: int = 0) -> AttentionInputs:
+def capture_attention_inputs(model, ids: torch.Tensor, text: str, window: int | None = None) -> AttentionInputs:
     """Run ``model`` over ``ids`` ``[num_seqs, seq_len]`` and keep every layer's attention input.
 
-    With ``window``, also measure each layer's attention mass beyond it and the first ``sinks``
-    keys (the model must use eager attention so the probabilities exist); the sequences must be
-    longer than the window.
+    With ``window``, also measure each layer's attention mass beyond it (the model must use eager
+    attention so the probabilities exist); the sequences must be longer than the window.
     """
     layers = model.model.layers
     captured: list[list[torch.Tensor]] = [[] for _ in layers]
@@ -81,10 +76,9 @@ def capture_attention_inputs(model, ids: torch.Tensor, text: str, window: int | 
             out = model(input_ids=row.unsqueeze(0), use_cache=False, output_attentions=window is not None)
             if window is not None:
                 for i, attn in enumerate(out.attentions):
-                    mass[i] += _far_mass(attn, window, sinks) / ids.shape[0]
+                    mass[i] += _far_mass(attn, window) / ids.shape[0]
     finally:
         for h in hooks:
             h.remove()
     inputs = tuple(torch.cat(c, dim=0) for c in captured)
-    return AttentionInputs(inputs, text, tuple(mass) if window is not None else None, window,
-                           sinks if window is not None else 0)
+    return AttentionInputs(inputs, text, tuple(mass) if window is not None else None, window)

@@ -151,7 +151,7 @@ def calibrate(ckpt: Checkpoint, spec: ConvertSpec) -> AttentionInputs:
     model = AutoModelForCausalLM.from_pretrained(
         ckpt.path, dtype=torch.float32, attn_implementation="eager" if window else "sdpa"
     ).eval()
-    return capture_attention_inputs(model, ids, calibration.source, window=window, sinks=spec.sinks if window else 0)
+    return capture_attention_inputs(model, ids, calibration.source, window=window)
 
 
 def rewrite(
@@ -200,10 +200,8 @@ def convert(
         spec = replace(spec, calib_seq_len=spec.sliding_window + 512)
     if calib is None and spec.needs_calibration:
         calib = calibrate(ckpt, spec)
-    if spec.sliding_window is not None and spec.global_select == "calib" and (calib.window, calib.sinks) != (
-            spec.sliding_window, spec.sinks):
-        raise KvslimError(f"calibration measured attention beyond window {calib.window} and {calib.sinks} sinks, "
-                          f"not {spec.sliding_window} and {spec.sinks}")
+    if spec.sliding_window is not None and spec.global_select == "calib" and calib.window != spec.sliding_window:
+        raise KvslimError(f"calibration measured attention beyond window {calib.window}, not {spec.sliding_window}")
     weights = dict(ckpt.iter_tensors())
     weights, config = rewrite(weights, ckpt.config, spec, calib)
     with atomic_output_dir(out, force) as tmp:

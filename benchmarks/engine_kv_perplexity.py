@@ -19,7 +19,8 @@ import torch
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--text", default="wikipedia:eval")
+    ap.add_argument("--text", default="wikipedia:eval",
+                    help="a named text range, or 'dev': the calibration dev slice (wikipedia:calib after 64 x 512 tokens)")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--kv-dtypes", nargs="+", default=["bf16", "fp8_e4m3", "fp8_e4m3:calibrated", "int8"])
     ap.add_argument("--ctx", type=int, default=512, help="scored window (stride half of it)")
@@ -36,7 +37,12 @@ def main() -> int:
     from runtime.model.loader import load_model
 
     path = resolve_model(args.model)
-    ids = tokenize_range(AutoTokenizer.from_pretrained(path), args.text, max_tokens=args.tokens)
+    if args.text == "dev":
+        from dev_slice import dev_slice
+
+        ids, args.text = dev_slice(path, 64, args.tokens)
+    else:
+        ids = tokenize_range(AutoTokenizer.from_pretrained(path), args.text, max_tokens=args.tokens)
     model = load_model(path, "float32")
     results = {}
     for kv in args.kv_dtypes:

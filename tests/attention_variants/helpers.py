@@ -32,21 +32,18 @@ def logits(checkpoint: Path, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def random_calibration(checkpoint: Path, seqs: int = 2, seq_len: int = 48, window: int | None = None,
-                       sinks: int = 0) -> AttentionInputs:
+def random_calibration(checkpoint: Path, seqs: int = 2, seq_len: int = 48, window: int | None = None) -> AttentionInputs:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         checkpoint, dtype=torch.float32, attn_implementation="eager" if window else "sdpa"
     )
     ids = torch.randint(0, model.config.vocab_size, (seqs, seq_len), generator=torch.Generator().manual_seed(1))
-    return capture_attention_inputs(model, ids, "random ids", window=window, sinks=sinks)
+    return capture_attention_inputs(model, ids, "random ids", window=window)
 
 
 def convert_tiny(src: Path, out: Path, spec: ConvertSpec, calibrate: bool = False) -> Path:
     """Convert a tiny checkpoint (which has no tokenizer: calibration runs on random ids)."""
-    by_mass = spec.global_select == "calib"
-    calib = random_calibration(src, window=spec.sliding_window if by_mass else None,
-                               sinks=spec.sinks if by_mass else 0) if calibrate else None
+    calib = random_calibration(src, window=spec.sliding_window if spec.global_select == "calib" else None) if calibrate else None
     convert(src, spec, out, calib=calib)
     return out

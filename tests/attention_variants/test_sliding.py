@@ -62,13 +62,3 @@ def test_sinks_keep_the_first_tokens_visible(tiny_llama, tmp_path):
             steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), new, atol=1e-4, rtol=1e-4)
 
-
-def test_far_mass_leaves_out_the_sinks():
-    """Calibration ranks layers by attention a sliding layer would lose: the sink keys are kept."""
-    from attention_variants.attention_inputs import _far_mass
-
-    attn = torch.zeros(1, 1, 6, 6)
-    attn[0, 0, 3:, 0] = 0.5  # queries 3-5 put half their mass on key 0
-    attn[0, 0, 3:, 1] = 0.25  # and a quarter on key 1 (within query 3's window)
-    assert _far_mass(attn, window=3) == pytest.approx((0.5 + 0.75 + 0.75) / 3)
-    assert _far_mass(attn, window=3, sinks=1) == pytest.approx((0 + 0.25 + 0.25) / 3)
