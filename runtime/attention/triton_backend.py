@@ -7,8 +7,6 @@ bf16/fp16/fp32/fp8/int8 layers take ``store_kv`` and ``paged_attention``; packed
 (``PackedLayerCache``) ``store_packed_kv`` and ``packed_paged_attention``, which reads the
 step's own new rows exact from ``k``/``v``, as the torch path. Layers that read another layer's
 KV get the owner's cache tensors, and with int4/int2 the owner's new rows of this step.
-Attention sinks are not in the kernels yet: a model with them is refused here (the torch
-backend serves it).
 """
 from __future__ import annotations
 
@@ -16,7 +14,6 @@ from collections.abc import Sequence
 
 import torch
 
-from foundation.errors import KvslimError
 from runtime.attention.backend import AttentionParams
 from runtime.attention.paged import PagedBatch
 from runtime.cache.kv_cache import KVCache
@@ -44,8 +41,6 @@ class KernelAttentionBackend:
     """
 
     def __init__(self, cache: KVCache, params: Sequence[AttentionParams], use_triton: bool | None = None):
-        if any(p.sinks for p in params):
-            raise KvslimError("the kernel attention backend has no attention sinks yet; use the torch backend")
         self.cache = cache
         self.params = tuple(params)
         self.batch: PagedBatch | None = None
@@ -78,7 +73,8 @@ class KernelAttentionBackend:
                 self._fresh[slot] = (k, v)
             else:  # a layer reading another layer's KV reads its new rows exact too
                 k, v = self._fresh.get(slot, (None, None))
-            return self._attention_packed(q, k, v, lc, *meta, **self._maxima)
+            return self._attention_packed(q, k, v, lc, *meta, sinks=params.sinks, **self._maxima)
         if k is not None:
             self._store(k, v, lc.k_cache, lc.v_cache, batch.slot_mapping[g], lc.k_scale, lc.v_scale)
-        return self._attention(q, lc.k_cache, lc.v_cache, *meta, lc.k_scale, lc.v_scale, **self._maxima)
+        return self._attention(q, lc.k_cache, lc.v_cache, *meta, lc.k_scale, lc.v_scale, sinks=params.sinks,
+                               **self._maxima)

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from foundation.errors import KvslimError
 from runtime.kernels.packed_kv_store import quantize_num_warps
@@ -174,10 +174,18 @@ def _packed_variants() -> list[KernelVariant]:
     return out
 
 
+def _sink_variants() -> list[KernelVariant]:
+    """Sliding-window attention with attention sinks (the extra sink tiles), both layouts."""
+    windowed = {"int8 kv/token prefill window d64": "int8 kv/token prefill window sinks d64",
+                "int2 kv prefill window d128 gqa4": "int2 kv prefill window sinks d128 gqa4"}
+    return [replace(v, name=windowed[v.name], constexprs={**v.constexprs, "USE_SINKS": True})
+            for v in _attention_variants() + _packed_variants() if v.name in windowed]
+
+
 def variants() -> list[KernelVariant]:
     """Every kernel specialisation the wrappers launch, by family."""
     return (_int_variants() + _mid_variants() + _fp8_variants() + _attention_variants() + _store_variants()
-            + _packed_variants())
+            + _packed_variants() + _sink_variants())
 
 
 def kernel_names() -> dict[str, set[str]]:

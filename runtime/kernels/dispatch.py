@@ -115,13 +115,14 @@ def paged_attention(
     v_scale: torch.Tensor | None = None,
     max_query_len: int | None = None,
     max_context_len: int | None = None,
+    sinks: int = 0,
 ) -> torch.Tensor:
     """Attention of the step's tokens over their paged context (see ``paged_attention``).
     The host-side maxima spare the Triton path a device sync."""
     args = (q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, window, softcap, k_scale, v_scale)
     if _on_cuda(q):
-        return pa.paged_attention(*args, max_query_len=max_query_len, max_context_len=max_context_len)
-    return pa.reference_paged_attention(*args)
+        return pa.paged_attention(*args, max_query_len=max_query_len, max_context_len=max_context_len, sinks=sinks)
+    return pa.reference_paged_attention(*args, sinks=sinks)
 
 
 def store_packed_kv(k: torch.Tensor, v: torch.Tensor, cache: PackedLayerCache, slot_mapping: torch.Tensor) -> None:
@@ -143,10 +144,12 @@ def packed_paged_attention(
     softcap: float | None = None,
     max_query_len: int | None = None,
     max_context_len: int | None = None,
+    sinks: int = 0,
 ) -> torch.Tensor:
     """Attention of the step's tokens over a packed int4/int2 layer, their own new rows ``k``, ``v``
     read exact (see ``packed_paged_attention``)."""
     args = (q, k, v, cache, block_tables, context_lens, query_start_loc, scale, window, softcap)
     if _on_cuda(q):
-        return ppa.packed_paged_attention(*args, max_query_len=max_query_len, max_context_len=max_context_len)
-    return ppa.reference_packed_paged_attention(*args)
+        return ppa.packed_paged_attention(*args, max_query_len=max_query_len, max_context_len=max_context_len,
+                                          sinks=sinks)
+    return ppa.reference_packed_paged_attention(*args, sinks=sinks)

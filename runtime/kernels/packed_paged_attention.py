@@ -21,8 +21,10 @@ from runtime.kernels.packed_kv_store import check_packed_layer
 from runtime.kernels.paged_attention import (
     _attend_tile,
     _query_rows,
+    _sink_tiles,
     _split_range,
     _store_output,
+    _tile_start,
     attend_sequences,
     attention_num_warps,
     batch_maxima,
@@ -56,13 +58,14 @@ def packed_paged_attention_kernel(
     q_ptr, k_new_ptr, v_new_ptr, k_codes_ptr, v_codes_ptr, k_scale_ptr, k_min_ptr, v_scale_ptr, v_min_ptr,
     k_residual_ptr, v_residual_ptr, slot_of_ptr,
     block_tables_ptr, context_lens_ptr, query_start_ptr, out_ptr, lse_ptr,
-    sm_scale, softcap, window, block_size,
+    sm_scale, softcap, window, sinks, block_size,
     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_kpb, stride_kph, stride_vpb, stride_vps,
     stride_rb, stride_rs, stride_rh, stride_bt, stride_nt, stride_nh,
     stride_ot, stride_oh, stride_osplit, stride_lt, stride_lsplit,
     BITS: tl.constexpr, QPK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     TILE_IN_BLOCK: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, FRESH: tl.constexpr,
+    USE_SINKS: tl.constexpr = False,
 ):
     """Grid ``(S, cdiv(max_q_len, BLOCK_Q), KVH * NUM_SPLITS)``, as ``paged_attention_kernel``.
     ``TILE_IN_BLOCK`` (``block_size % BLOCK_N == 0``): key tiles start at multiples of
@@ -94,9 +97,11 @@ def packed_paged_attention_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    for j0 in range(split_lo, split_hi, BLOCK_N):
+    sink_tiles, sink_end = _sink_tiles(split, split_lo, sinks, BLOCK_N, USE_SINKS)
+    for t in range(0, sink_tiles + tl.cdiv(split_hi - split_lo, BLOCK_N)):
+        j0, j_end = _tile_start(t, sink_tiles, sink_end, split_lo, split_hi, BLOCK_N)
         offs_j = j0 + tl.arange(0, BLOCK_N)
-        j_ok = offs_j < split_hi
+        j_ok = offs_j < j_end
         if FRESH:
             cached = j_ok & (offs_j < first_pos)
         else:
@@ -152,7 +157,7 @@ def packed_paged_attention_kernel(
             k = tl.load(k_new_ptr + new_at, mask=f_mask, other=k)
             v = tl.load(v_new_ptr + new_at, mask=f_mask, other=v)
         m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, offs_j, j_ok, q_pos, row_ok, sm_scale, softcap,
-                                     window, USE_WINDOW, USE_SOFTCAP)
+                                     window, sinks, USE_WINDOW, USE_SINKS, USE_SOFTCAP)
 
     _store_output(out_ptr, lse_ptr, acc, m_i, l_i, split, q_start, tok, head, row_ok, offs_d, d_ok,
                   stride_ot, stride_oh, stride_osplit, stride_lt, stride_lsplit, NUM_SPLITS)
@@ -195,6 +200,7 @@ def packed_paged_attention(
     max_query_len: int | None = None,
     max_context_len: int | None = None,
     num_splits: int | None = None,
+    sinks: int = 0,
 ) -> torch.Tensor:
     """Causal attention of the step's tokens over their paged context in a packed layer (the
     batch metadata and its meaning are ``paged_attention``'s). ``k``, ``v`` ``[T, KVH, D]`` in q's
@@ -217,7 +223,7 @@ def packed_paged_attention(
     packed_paged_attention_kernel[plan.grid](
         q, k_new, v_new, codes, cache.v_codes, ks, cache.k_min, vs, cache.v_min, res, cache.v_residual, cache.slot_of,
         block_tables, context_lens, query_start_loc, target, plan.lse,
-        float(scale), float(softcap or 1.0), int(window or 0), res.shape[1],
+        float(scale), float(softcap or 1.0), int(window or 0), int(sinks), res.shape[1],
         q.stride(0), q.stride(1), codes.stride(0), codes.stride(1), codes.stride(2),
         ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
         res.stride(0), res.stride(1), res.stride(2), block_tables.stride(0),
@@ -226,7 +232,7 @@ def packed_paged_attention(
         BITS=cache.bits, QPK=H // kvh, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
         BLOCK_M=plan.block_m, BLOCK_Q=plan.block_q, BLOCK_N=block_n, NUM_SPLITS=plan.splits,
         TILE_IN_BLOCK=in_block, USE_WINDOW=window is not None, USE_SOFTCAP=softcap is not None,
-        FRESH=fresh, num_warps=attention_num_warps(plan.block_m, D),
+        FRESH=fresh, USE_SINKS=window is not None and sinks > 0, num_warps=attention_num_warps(plan.block_m, D),
     )
     return plan.result()
 
@@ -243,6 +249,7 @@ def reference_packed_paged_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: int = 0,
 ) -> torch.Tensor:
     """Plain-torch oracle (and CPU path) for ``packed_paged_attention``, the torch path's read:
     per sequence, ``PackedLayerCache.gather`` in fp32, the step's own rows overwritten with
@@ -260,4 +267,4 @@ def reference_packed_paged_attention(
             kk[first:], vv[first:] = k[rows], v[rows]
         return kk, vv
 
-    return attend_sequences(q, gather, context_lens, query_start_loc, scale, window, softcap)
+    return attend_sequences(q, gather, context_lens, query_start_loc, scale, window, softcap, sinks)

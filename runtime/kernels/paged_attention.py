@@ -11,7 +11,8 @@ Shapes (one cache group; layers that share KV simply pass the owner's cache tens
 - Returns ``[T, H, D]`` in q's dtype.
 
 Query at position p attends cached positions j with ``j <= p`` and, with a window W,
-``p - W < j``. GQA/MQA: q head h reads KV head ``h // (H / KVH)``; a program handles all the q
+``p - W < j`` or, with S attention sinks, ``j < S`` (the first split of a query tile also reads
+the sink keys below its window range). GQA/MQA: q head h reads KV head ``h // (H / KVH)``; a program handles all the q
 heads of one KV head so each K/V tile is read once. Long decodes split the context across
 programs (flash-decoding) and merge the partial softmaxes.
 """
@@ -69,15 +70,36 @@ def _split_range(ctx, q_len, q_block, split, window, BLOCK_Q: tl.constexpr, BLOC
 
 
 @triton.jit
-def _attend_tile(q, k, v, m_i, l_i, acc, offs_j, j_ok, q_pos, row_ok, sm_scale, softcap, window,
-                 USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr):
+def _sink_tiles(split, split_lo, sinks, BLOCK_N: tl.constexpr, USE_SINKS: tl.constexpr):
+    """``(tiles, end)``: the sink keys ``[0, end)`` below the window range that this program
+    reads first (split 0 only, whose range starts at the window's), in tiles of BLOCK_N."""
+    end = 0
+    if USE_SINKS:
+        if split == 0:
+            end = tl.minimum(sinks, split_lo)
+    return tl.cdiv(end, BLOCK_N), end
+
+
+@triton.jit
+def _tile_start(t, sink_tiles, sink_end, split_lo, split_hi, BLOCK_N: tl.constexpr):
+    """First key and end of tile ``t``: the sink tiles, then the window range's."""
+    sink = t < sink_tiles
+    return tl.where(sink, t * BLOCK_N, split_lo + (t - sink_tiles) * BLOCK_N), tl.where(sink, sink_end, split_hi)
+
+
+@triton.jit
+def _attend_tile(q, k, v, m_i, l_i, acc, offs_j, j_ok, q_pos, row_ok, sm_scale, softcap, window, sinks,
+                 USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, USE_SOFTCAP: tl.constexpr):
     """One online-softmax step over a ``[BLOCK_N, D]`` tile of keys and values at ``offs_j``."""
     s = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale
     if USE_SOFTCAP:
         s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))  # softcap * tanh(s / softcap)
     allowed = row_ok[:, None] & j_ok[None, :] & (offs_j[None, :] <= q_pos[:, None])
     if USE_WINDOW:
-        allowed = allowed & (q_pos[:, None] - offs_j[None, :] < window)
+        in_window = q_pos[:, None] - offs_j[None, :] < window
+        if USE_SINKS:
+            in_window = in_window | (offs_j[None, :] < sinks)
+        allowed = allowed & in_window
     s = tl.where(allowed, s * 1.4426950408889634, float("-inf"))  # log2(e): softmax in base 2
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -104,12 +126,13 @@ def _store_output(out_ptr, lse_ptr, acc, m_i, l_i, split, q_start, tok, head, ro
 def paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     block_tables_ptr, context_lens_ptr, query_start_ptr, out_ptr, lse_ptr,
-    sm_scale, softcap, window, block_size,
+    sm_scale, softcap, window, sinks, block_size,
     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_bt,
     stride_ot, stride_oh, stride_osplit, stride_lt, stride_lsplit,
     QPK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     KV_QUANT: tl.constexpr, SCALE_PER_TOKEN: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    USE_SINKS: tl.constexpr = False,
 ):
     """Grid ``(S, cdiv(max_q_len, BLOCK_Q), KVH * NUM_SPLITS)`` (query tile rows: ``_query_rows``)."""
     seq = tl.program_id(0)
@@ -137,9 +160,11 @@ def paged_attention_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    for j0 in range(split_lo, split_hi, BLOCK_N):
+    sink_tiles, sink_end = _sink_tiles(split, split_lo, sinks, BLOCK_N, USE_SINKS)
+    for t in range(0, sink_tiles + tl.cdiv(split_hi - split_lo, BLOCK_N)):
+        j0, j_end = _tile_start(t, sink_tiles, sink_end, split_lo, split_hi, BLOCK_N)
         offs_j = j0 + tl.arange(0, BLOCK_N)
-        j_ok = offs_j < split_hi
+        j_ok = offs_j < j_end
         blk = tl.load(block_tables_ptr + seq * stride_bt + offs_j // block_size, mask=j_ok, other=0).to(tl.int64)
         slot_off = blk * stride_cb + (offs_j % block_size) * stride_cs + kvh * stride_ch
         kv_mask = j_ok[:, None] & d_ok[None, :]
@@ -154,7 +179,7 @@ def paged_attention_kernel(
                 k = k.to(tl.float32) * k_scalar
                 v = v.to(tl.float32) * v_scalar
         m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, offs_j, j_ok, q_pos, row_ok, sm_scale, softcap,
-                                     window, USE_WINDOW, USE_SOFTCAP)
+                                     window, sinks, USE_WINDOW, USE_SINKS, USE_SOFTCAP)
 
     _store_output(out_ptr, lse_ptr, acc, m_i, l_i, split, q_start, tok, head, row_ok, offs_d, d_ok,
                 stride_ot, stride_oh, stride_osplit, stride_lt, stride_lsplit, NUM_SPLITS)
@@ -266,6 +291,7 @@ def paged_attention(
     max_query_len: int | None = None,
     max_context_len: int | None = None,
     num_splits: int | None = None,
+    sinks: int = 0,
 ) -> torch.Tensor:
     """Causal attention of the step's tokens over their paged context (see module docstring).
     ``max_query_len``/``max_context_len`` avoid a device sync when the caller knows them."""
@@ -285,14 +311,14 @@ def paged_attention(
     target = plan.target
     paged_attention_kernel[plan.grid](
         q, k_cache, v_cache, ks, vs, block_tables, context_lens, query_start_loc, target, plan.lse,
-        float(scale), float(softcap or 1.0), int(window or 0), k_cache.shape[1],
+        float(scale), float(softcap or 1.0), int(window or 0), int(sinks), k_cache.shape[1],
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         stride_sb, stride_ss, block_tables.stride(0),
         target.stride(1), target.stride(2), target.stride(0), *plan.lse_strides,
         QPK=H // kvh, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
         BLOCK_M=plan.block_m, BLOCK_Q=plan.block_q, BLOCK_N=32 if D <= 128 else 16, NUM_SPLITS=plan.splits,
         KV_QUANT=quant, SCALE_PER_TOKEN=per_token, USE_WINDOW=window is not None, USE_SOFTCAP=softcap is not None,
-        num_warps=attention_num_warps(plan.block_m, D),
+        USE_SINKS=window is not None and sinks > 0, num_warps=attention_num_warps(plan.block_m, D),
     )
     return plan.result()
 
@@ -314,6 +340,7 @@ def attend_sequences(
     scale: float,
     window: int | None,
     softcap: float | None,
+    sinks: int = 0,
 ) -> torch.Tensor:
     """``reference_attention`` per sequence over the K, V ``[ctx, KVH, D]`` that ``gather(seq, ctx)``
     returns (the references of every paged layout)."""
@@ -326,7 +353,7 @@ def attend_sequences(
         k, v = gather(s, ctx)
         q_pos = torch.arange(ctx - (b - a), ctx, device=q.device)
         k_pos = torch.arange(ctx, device=q.device)
-        out[a:b] = reference_attention(q[a:b].float(), k, v, q_pos, k_pos, scale, window, softcap).to(q.dtype)
+        out[a:b] = reference_attention(q[a:b].float(), k, v, q_pos, k_pos, scale, window, softcap, sinks).to(q.dtype)
     return out
 
 
@@ -342,6 +369,7 @@ def reference_paged_attention(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: int = 0,
 ) -> torch.Tensor:
     """Plain-torch oracle (and CPU path) for ``paged_attention``: per sequence, gather and
     dequantize its cache, then ``attention_backend.reference_attention``."""
@@ -351,4 +379,4 @@ def reference_paged_attention(
         return (gather_sequence_kv(k_cache, k_scale, block_tables[s], ctx),
                 gather_sequence_kv(v_cache, v_scale, block_tables[s], ctx))
 
-    return attend_sequences(q, gather, context_lens, query_start_loc, scale, window, softcap)
+    return attend_sequences(q, gather, context_lens, query_start_loc, scale, window, softcap, sinks)

@@ -21,11 +21,11 @@ CONFIG = dict(
 )
 
 
-def make_backends(kv_dtype, static, softcap, use_triton, device):
-    layout = AttentionLayout.from_config(CONFIG)
+def make_backends(kv_dtype, static, softcap, use_triton, device, sinks=0):
+    layout = AttentionLayout.from_config({**CONFIG, "num_sink_tokens": sinks})
     spec = KVCacheSpec.from_layout(layout, kv_dtype, block_size=4, static_scales=static)
     scales = {i: (0.05, 0.04) for i in layout.cache_owners()} if static else None
-    params = [AttentionParams(0.3, l.window, l.kv_source, softcap) for l in layout.layers]
+    params = [AttentionParams(0.3, l.window, l.kv_source, softcap, l.sinks) for l in layout.layers]
     res = 8  # int4/int2 residual blocks: 3 sequences, at most 2 open blocks each while a chunk is written
     ours = KernelAttentionBackend(KVCache(spec, (32, 32), device=device, layer_scales=scales, residual_blocks=res),
                                   params, use_triton)
@@ -33,14 +33,15 @@ def make_backends(kv_dtype, static, softcap, use_triton, device):
     return layout, ours, theirs
 
 
-@pytest.mark.parametrize("kv_dtype,static,softcap", [("fp32", False, 5.0), ("int8", False, None), ("int8", True, None),
-                                                     ("int4", False, None), ("int2", False, 5.0)])
-def test_kernel_backend_matches_the_engine_backend(device, kv_dtype, static, softcap):
+@pytest.mark.parametrize("kv_dtype,static,softcap,sinks", [
+    ("fp32", False, 5.0, 0), ("int8", False, None, 0), ("int8", True, None, 0), ("int4", False, None, 0),
+    ("int2", False, 5.0, 0), ("fp32", False, None, 2), ("int4", False, None, 5)])
+def test_kernel_backend_matches_the_engine_backend(device, kv_dtype, static, softcap, sinks):
     torch.manual_seed(0)
     rng = random.Random(0)
-    layout, ours, theirs = make_backends(kv_dtype, static, softcap, use_triton=True, device=device)
-    bm = BlockManager((32, 32), 4, (None, WINDOW), enable_prefix_caching=False)
-    targets, computed = {0: 8, 1: 2, 2: 6}, {0: 0, 1: 0, 2: 0}  # crosses blocks and the window
+    layout, ours, theirs = make_backends(kv_dtype, static, softcap, use_triton=True, device=device, sinks=sinks)
+    bm = BlockManager((32, 32), 4, (None, WINDOW), enable_prefix_caching=False, sinks=(0, sinks))
+    targets, computed = {0: 14, 1: 2, 2: 11}, {0: 0, 1: 0, 2: 0}  # crosses blocks, the window and the sinks
     while any(computed[s] < targets[s] for s in targets):
         active = [s for s in targets if computed[s] < targets[s]]
         firsts, lens, tables = [], [], []

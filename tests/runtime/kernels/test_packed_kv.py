@@ -125,6 +125,26 @@ def test_packed_attention_matches_the_torch_path(device, bits, H, KVH, D, block_
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
 
 
+SINK_CASES = [  # (heads, kv heads, head dim, block size, window, sinks, splits)
+    (4, 1, 16, 4, 5, 3, 2),  # keys looked up one by one, split context
+    (6, 2, 16, 32, 20, 6, None),  # whole-block tiles
+    (4, 4, 16, 16, 8, 20, 2),  # sinks past the window's start
+]
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("H,KVH,D,block_size,window,sinks,splits", SINK_CASES)
+def test_packed_sinks_match_the_torch_path(device, bits, H, KVH, D, block_size, window, sinks, splits):
+    scale_up = block_size // 4
+    ctx, qlen = [9 * scale_up, 1 + 8 * scale_up, 13 * scale_up, 6 * scale_up + 1], [9 * scale_up, 1, 3 * scale_up, 1]
+    b = make_packed_batch(ctx, qlen, H, KVH, D, bits, block_size, device=device, store=pks.store_packed_kv)
+    kw = dict(scale=D ** -0.5, window=window)
+    out = ppa.packed_paged_attention(*b.args(), num_splits=splits, sinks=sinks, **kw)
+    ref = ppa.reference_packed_paged_attention(*b.args(), sinks=sinks, **kw)
+    tol = 1e-2 if device.type == "cuda" else 1e-5  # tf32 dots on GPU
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_open_block_is_read_exactly_from_the_residual(device, block_size):
     """A context shorter than a block is all residual: plain attention over the exact K/V."""

@@ -46,6 +46,27 @@ def test_paged_attention_matches_reference(device, H, KVH, D, kv_dtype, scales, 
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
 
 
+# Long enough that later query tiles and decodes start their window past the sinks.
+SINK_CTX, SINK_QLEN = [40, 37, 70], [40, 1, 3]
+SINK_CASES = [  # (heads, kv heads, head dim, kv dtype, window, sinks, splits)
+    (4, 1, 16, torch.float32, 3, 2, None),   # sinks inside the first key tile
+    (6, 2, 32, torch.int8, 4, 5, 2),         # sinks over two blocks, split context
+    (4, 4, 16, torch.float32, 6, 40, 3),     # sinks past the window's start
+]
+
+
+@pytest.mark.parametrize("H,KVH,D,kv_dtype,window,sinks,splits", SINK_CASES)
+def test_sinks_match_reference(device, H, KVH, D, kv_dtype, window, sinks, splits):
+    b = make_paged_batch(SINK_CTX, SINK_QLEN, H, KVH, D, kv_dtype, "token" if kv_dtype == torch.int8 else None,
+                         device=device)
+    kw = dict(scale=D ** -0.5, window=window, k_scale=b.k_scale, v_scale=b.v_scale)
+    out = pa.paged_attention(*b.args(), num_splits=splits, sinks=sinks, **kw)
+    ref = pa.reference_paged_attention(*b.args(), sinks=sinks, **kw)
+    tol = 1e-2 if device.type == "cuda" else 1e-5  # tf32 dots on GPU
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    assert not torch.allclose(ref, pa.reference_paged_attention(*b.args(), **kw), atol=1e-3)  # the sinks matter
+
+
 def test_decode_split_merges_to_the_unsplit_result(device):
     b = make_paged_batch([37, 20], [1, 1], 4, 2, 16, torch.float32, None, device=device)
     one = pa.paged_attention(*b.args(), scale=0.25, num_splits=1)
