@@ -15,7 +15,7 @@ import torch
 
 from attention_variants import gqa, kv_sharing, sliding
 from attention_variants.attention_inputs import AttentionInputs, capture_attention_inputs
-from attention_variants.modeling_files import CAUSAL_LM_CLASSES, auto_map_for, write_modeling_file
+from attention_variants.modeling_files import CAUSAL_LM_CLASSES, KV_SHARING_TYPES, auto_map_for, write_modeling_file
 from foundation.architecture import model_type_of
 from foundation.atomic import atomic_output_dir, check_output_dir
 from foundation.attention_layout import KV_SOURCE_KEY, SINKS_KEY, AttentionLayout
@@ -114,7 +114,7 @@ def validate(spec: ConvertSpec, config: dict) -> AttentionLayout:
                               f"model's {n_layers} layers")
         if KV_SOURCE_KEY in config:
             raise KvslimError(f"--kv-share conflicts with the model's existing {KV_SOURCE_KEY}")
-        if model_type not in CAUSAL_LM_CLASSES:
+        if model_type not in KV_SHARING_TYPES:
             raise UnsupportedArchitecture(f"--kv-share is not supported for model_type {model_type}")
     if spec.sliding_window is not None:
         w, context = spec.sliding_window, int(config.get("max_position_embeddings") or 0)

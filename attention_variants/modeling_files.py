@@ -23,7 +23,9 @@ CAUSAL_LM_CLASSES: dict[str, str] = {
     "mistral": "KvslimMistralForCausalLM",
     "qwen2": "KvslimQwen2ForCausalLM",
     "qwen3": "KvslimQwen3ForCausalLM",
+    "gemma3_text": "KvslimGemma3ForCausalLM",  # attention sinks only
 }
+KV_SHARING_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # whose classes read another layer's K/V
 
 
 def _sha256(path: Path) -> str:

@@ -5,7 +5,9 @@ over each 64-token block, values per token and head, asymmetric, fp16 scale and 
 them as a decoded token does: earlier blocks quantized, its own block exact. Options:
 ``pre_rope`` (keys quantized before RoPE, rotated after), ``k_rot`` / ``v_rot`` (a random-sign
 Hadamard rotation per head before quantizing, undone after), ``clip`` (per-group range shrink
-about its centre, minimizing squared error), ``v_group`` (value groups along head_dim), ``k_bits`` / ``v_bits``.
+about its centre, minimizing squared error), ``v_group`` (value groups along head_dim), ``k_bits`` / ``v_bits``,
+``sym`` (symmetric codes about zero: a scale and no minimum), ``exact_first`` (the first block, which
+holds the attention-sink tokens, kept exact).
 It ranks options cheaply; the served figures come from ``engine_kv_perplexity.py``.
 
     python benchmarks/kv_quant_options.py --tokens 4096 --ctx 2048 '{"bits": 2}' '{"bits": 2, "pre_rope": true}'
@@ -32,10 +34,14 @@ def hadamard(d: int, seed: int = 0) -> torch.Tensor:
     return h / math.sqrt(d) * signs
 
 
-def fake_quantize(x: torch.Tensor, dim: int, bits: int, clip: bool) -> torch.Tensor:
-    """Asymmetric round-to-nearest with one fp16 (scale, minimum) per slice along ``dim``."""
+def fake_quantize(x: torch.Tensor, dim: int, bits: int, clip: bool, sym: bool = False) -> torch.Tensor:
+    """Round-to-nearest with one fp16 (scale, minimum) per slice along ``dim``; ``sym``: the
+    range centred on zero, so the minimum is ``-levels / 2 * scale`` and needs no storage."""
     levels = (1 << bits) - 1
     lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    if sym:
+        hi = torch.maximum(hi.abs(), lo.abs())
+        lo = -hi
 
     def rtn(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
         scale = ((hi - lo) / levels).clamp_min(1e-6).half().float()
@@ -65,7 +71,7 @@ class Options:
         rot = self.spec.get("k_rot")
         x = k @ self.rot if rot else k
         y = fake_quantize(x.reshape(b, h, t // BLOCK, BLOCK, d), 3, self.spec.get("k_bits", self.bits),
-                          self.spec.get("clip", False)).reshape(b, h, t, d)
+                          self.spec.get("clip", False), self.spec.get("sym", False)).reshape(b, h, t, d)
         return y @ self.rot.T if rot else y
 
     def values(self, v: torch.Tensor) -> torch.Tensor:
@@ -73,7 +79,7 @@ class Options:
         rot, g = self.spec.get("v_rot"), self.spec.get("v_group", d)
         x = v @ self.rot if rot else v
         y = fake_quantize(x.reshape(b, h, t, d // g, g), -1, self.spec.get("v_bits", self.bits),
-                          self.spec.get("clip", False)).reshape(b, h, t, d)
+                          self.spec.get("clip", False), self.spec.get("sym", False)).reshape(b, h, t, d)
         return y @ self.rot.T if rot else y
 
 
@@ -105,6 +111,8 @@ def install(options_ref: list) -> None:
         pos = torch.arange(t)
         causal = pos[None, :] <= pos[:, None]
         earlier = (pos[None, :] // BLOCK) < (pos[:, None] // BLOCK)  # key in an earlier block
+        if opt.spec.get("exact_first"):
+            earlier &= pos[None, :] >= BLOCK
         scores = torch.where(earlier, q @ kq.transpose(-1, -2), q @ k.transpose(-1, -2)) * self.scaling
         p = torch.softmax(scores.masked_fill(~causal, float("-inf")).float(), -1)
         out = (p * earlier) @ vq + (p * ~earlier) @ v

@@ -1,6 +1,7 @@
 """kvslim modeling file, carried inside converted checkpoints (``auto_map``, ``trust_remote_code``).
 
-Adds to transformers' Llama / Mistral / Qwen2 / Qwen3 what their configs cannot express:
+Adds to transformers' Llama / Mistral / Qwen2 / Qwen3 (and Gemma 3, sinks only) what their
+configs cannot express:
 
 - ``layer_types`` + ``sliding_window`` per layer (hybrid local/global attention) for every family;
 - ``num_sink_tokens`` S: sliding layers also attend to the first S tokens (attention sinks), so
@@ -21,6 +22,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingW
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.gemma3 import modeling_gemma3
 from transformers.models.llama import modeling_llama
 from transformers.models.mistral import modeling_mistral
 from transformers.models.qwen2 import modeling_qwen2
@@ -246,4 +248,38 @@ class KvslimQwen3ForCausalLM(modeling_qwen3.Qwen3ForCausalLM):
     def __init__(self, config):
         super().__init__(config)
         self.model = KvslimQwen3Model(config)
+        self.post_init()
+
+
+class KvslimGemma3TextModel(modeling_gemma3.Gemma3TextModel):
+    """Gemma 3 whose sliding layers keep ``num_sink_tokens`` attention sinks: the masks (and a
+    cache that keeps every token) are prepared here, the rest is transformers' own forward."""
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, past_key_values=None,
+                inputs_embeds=None, use_cache=None, **kwargs):
+        cache = cache if cache is not None else past_key_values
+        sinks = _sinks(self.config)
+        if sinks and not isinstance(attention_mask, dict):
+            if inputs_embeds is None:
+                inputs_embeds, input_ids = self.embed_tokens(input_ids), None
+            if (use_cache if use_cache is not None else self.config.use_cache) and cache is None:
+                cache = DynamicCache(config=self.config)
+            if cache is not None:
+                _keep_every_token(cache)
+            if position_ids is None:
+                past_seen = cache.get_seq_length() if cache is not None else 0
+                position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen).unsqueeze(0)
+            mask_kwargs = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                               position_ids=position_ids, **{CACHE_ARG: cache})
+            overlay = sink_window_overlay(self.config.sliding_window, sinks)
+            attention_mask = {FULL: create_causal_mask(**mask_kwargs),
+                              SLIDING: create_causal_mask(**mask_kwargs, and_mask_function=overlay)}
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               inputs_embeds=inputs_embeds, use_cache=use_cache, **{CACHE_ARG: cache}, **kwargs)
+
+
+class KvslimGemma3ForCausalLM(modeling_gemma3.Gemma3ForCausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = KvslimGemma3TextModel(config)
         self.post_init()

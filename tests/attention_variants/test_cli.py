@@ -29,6 +29,15 @@ def quantized(tmp_path_factory, tiny_checkpoints):
     return path
 
 
+@pytest.fixture(scope="module")
+def with_sinks(tmp_path_factory, tiny_checkpoints):
+    path = tmp_path_factory.mktemp("s") / "sinks"
+    shutil.copytree(tiny_checkpoints["mistral"], path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_sink_tokens": 2}))
+    return path
+
+
 BAD = {
     "heads_not_dividing": ("llama", ["--kv-heads", "3"], "does not divide"),
     "heads_not_fewer": ("llama", ["--kv-heads", "2"], "conflicts"),
@@ -50,7 +59,7 @@ BAD = {
     "already_sliding": ("mistral", ["--sliding-window", "16", "--global-every", "2"], "conflicts"),
     "sinks_without_window": ("llama", ["--mqa", "--sinks", "4"], "needs --sliding-window"),
     "negative_sinks": ("llama", ["--sliding-window", "16", "--global-every", "2", "--sinks", "-1"], "0 or more"),
-    "gemma_sinks": ("gemma3_text", ["--sinks", "4"], "not supported for model_type gemma3_text"),
+    "sinks_twice": ("sinks", ["--sinks", "2"], "existing attention sinks"),
     "already_mqa": ("gemma3_text", ["--mqa"], "conflicts"),
     "gemma_share": ("gemma3_text", ["--kv-share", "2"], "not supported"),
     "nothing": ("llama", [], "nothing to convert"),
@@ -59,9 +68,9 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", list(BAD))
-def test_bad_input_one_line_exit_2_nothing_written(case, tiny_checkpoints, quantized, tmp_path, capsys):
+def test_bad_input_one_line_exit_2_nothing_written(case, tiny_checkpoints, quantized, with_sinks, tmp_path, capsys):
     arch, flags, message = BAD[case]
-    src = quantized if arch == "quantized" else tiny_checkpoints[arch]
+    src = {"quantized": quantized, "sinks": with_sinks}.get(arch) or tiny_checkpoints[arch]
     out = tmp_path / "out"
     try:
         rc = main(["convert", str(src), "--eval-tokens", "0", *flags, "-o", str(out)])

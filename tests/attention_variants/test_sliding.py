@@ -52,13 +52,27 @@ def test_sinks_keep_the_first_tokens_visible(tiny_llama, tmp_path):
     new, ref = logits(sinks, IDS), logits(plain, IDS)
     torch.testing.assert_close(new[:, :8], ref[:, :8], atol=1e-5, rtol=1e-5)
     assert not torch.allclose(new[:, 8:], ref[:, 8:], atol=1e-3)
-    model = load_for_eval(sinks)
+    assert_cached_decode_equals_one_pass(sinks, new)
+
+
+def test_gemma_sinks_in_the_modeling_file(tiny_checkpoints, tmp_path):
+    """Gemma 3's own sliding layers gain sinks through our class; cached decode equals one pass."""
+    src = tiny_checkpoints["gemma3_text"]
+    out = convert_tiny(src, tmp_path / "gemma_s2", ConvertSpec(sinks=2))
+    assert config_of(out)["auto_map"]["AutoModelForCausalLM"].endswith("KvslimGemma3ForCausalLM")
+    new = logits(out, IDS)
+    assert not torch.allclose(new, logits(src, IDS), atol=1e-3)
+    assert_cached_decode_equals_one_pass(out, new)
+
+
+def assert_cached_decode_equals_one_pass(checkpoint, one_pass: torch.Tensor, prefill: int = 12) -> None:
+    model = load_for_eval(checkpoint)
     cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
-        out = model(input_ids=IDS[:, :12], use_cache=True)
+        out = model(input_ids=IDS[:, :prefill], use_cache=True)
         steps, cache = [out.logits], getattr(out, cache_arg)
-        for t in range(12, IDS.shape[1]):
+        for t in range(prefill, IDS.shape[1]):
             out = model(input_ids=IDS[:, t:t + 1], use_cache=True, **{cache_arg: cache})
             steps.append(out.logits)
-    torch.testing.assert_close(torch.cat(steps, dim=1), new, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.cat(steps, dim=1), one_pass, atol=1e-4, rtol=1e-4)
 

@@ -91,13 +91,17 @@ def test_converted_checkpoints_match_their_modeling_file(tiny_checkpoints, tmp_p
     assert_matches_hf(out, ours="auto_map" in config)
 
 
-def test_sinks_on_a_native_sliding_model_match_the_modeling_file(tmp_path):
-    """Mistral's own window (every layer sliding) gains sinks; the checkpoint then carries our file."""
-    src = make_tiny_checkpoint(tmp_path / "mistral_w8", "mistral", sliding_window=8)
+@pytest.mark.parametrize("arch", ["mistral", "gemma3_text"])
+def test_sinks_on_a_native_sliding_model_match_the_modeling_file(tmp_path, arch):
+    """A model's own window (Mistral: every layer; Gemma 3: 5 in 6, with its own local rope)
+    gains sinks; the checkpoint then carries our file, and the sinks change the logits."""
+    src = make_tiny_checkpoint(tmp_path / "w8", arch, sliding_window=8)
     out = convert(src, ConvertSpec(sinks=3), tmp_path / "sinks").out
     config = json.loads((out / "config.json").read_text())
     assert config["num_sink_tokens"] == 3 and "auto_map" in config
     assert_matches_hf(out, ours=True)
+    ids = _ids()
+    assert not torch.allclose(hf_logits(hf_model(out, ours=True), ids), hf_logits(hf_model(src), ids), atol=1e-3)
 
 
 def test_converted_mqa_matches_hf(tiny_checkpoints, tmp_path):
