@@ -4,8 +4,8 @@ Global layers are one in ``G`` (layers ``G-1, 2G-1, ...``, Gemma 3's pattern), n
 with calibration, as many layers (or as many as named) whose attention puts the most
 probability on keys at least ``W`` tokens back on real text.
 
-Attention sinks (StreamingLLM: keep the first tokens visible to local layers) are not offered:
-neither HF configs nor the kvslim runtime can express them.
+Attention sinks (StreamingLLM: the first S tokens stay visible to local layers) are a config key,
+``num_sink_tokens``, that ``convert`` writes beside the layout (``foundation.attention_layout``).
 """
 from __future__ import annotations
 
