@@ -49,7 +49,7 @@ def main() -> int:
         dtype, _, how = kv.partition(":")
         scales = calibrated_kv_scales(path, args.calib_samples) if how == "calibrated" else None
         engine = Engine(model, EngineConfig(kv_dtype=dtype, max_num_batched_tokens=args.ctx, max_model_len=args.ctx + 2,
-                                            kv_cache_bytes=64 << 20), layer_scales=scales)
+                                            kv_cache_bytes=max(64, args.ctx // 16) << 20), layer_scales=scales)
         r = perplexity(lambda x: engine.score(x[0])[None], ids, args.text, context=args.ctx, stride=args.ctx // 2)
         results[kv] = r.perplexity
         print(f"KV {kv:20s}: {r.describe()}", flush=True)

@@ -7,7 +7,8 @@ them as a decoded token does: earlier blocks quantized, its own block exact. Opt
 Hadamard rotation per head before quantizing, undone after), ``clip`` (per-group range shrink
 about its centre, minimizing squared error), ``v_group`` (value groups along head_dim), ``k_bits`` / ``v_bits``,
 ``sym`` (symmetric codes about zero: a scale and no minimum), ``exact_first`` (the first block, which
-holds the attention-sink tokens, kept exact).
+holds the attention-sink tokens, kept exact), ``exact_sinks`` N (the first N tokens kept exact and out
+of their block's key ranges).
 It ranks options cheaply; the served figures come from ``engine_kv_perplexity.py``.
 
     python benchmarks/kv_quant_options.py --tokens 4096 --ctx 2048 '{"bits": 2}' '{"bits": 2, "pre_rope": true}'
@@ -70,6 +71,9 @@ class Options:
         b, h, t, d = k.shape
         rot = self.spec.get("k_rot")
         x = k @ self.rot if rot else k
+        n = self.spec.get("exact_sinks", 0)
+        if n:  # read exact elsewhere; here they only must not widen block 0's ranges
+            x = torch.cat([x[:, :, n:n + 1].expand(-1, -1, n, -1), x[:, :, n:]], dim=2)
         y = fake_quantize(x.reshape(b, h, t // BLOCK, BLOCK, d), 3, self.spec.get("k_bits", self.bits),
                           self.spec.get("clip", False), self.spec.get("sym", False)).reshape(b, h, t, d)
         return y @ self.rot.T if rot else y
@@ -113,6 +117,7 @@ def install(options_ref: list) -> None:
         earlier = (pos[None, :] // BLOCK) < (pos[:, None] // BLOCK)  # key in an earlier block
         if opt.spec.get("exact_first"):
             earlier &= pos[None, :] >= BLOCK
+        earlier &= pos[None, :] >= opt.spec.get("exact_sinks", 0)
         scores = torch.where(earlier, q @ kq.transpose(-1, -2), q @ k.transpose(-1, -2)) * self.scaling
         p = torch.softmax(scores.masked_fill(~causal, float("-inf")).float(), -1)
         out = (p * earlier) @ vq + (p * ~earlier) @ v

@@ -12,8 +12,8 @@ Shapes (one cache group; layers that share KV simply pass the owner's cache tens
 
 Query at position p attends cached positions j with ``j <= p`` and, with a window W,
 ``p - W < j`` or, with S attention sinks, ``j < S`` (the first split of a query tile also reads
-the sink keys below its window range). GQA/MQA: q head h reads KV head ``h // (H / KVH)``; a program handles all the q
-heads of one KV head so each K/V tile is read once. Long decodes split the context across
+the sink keys below its window range). GQA/MQA: q head h reads KV head ``h // (H / KVH)``; a
+program handles all the q heads of one KV head so each K/V tile is read once. Long decodes split the context across
 programs (flash-decoding) and merge the partial softmaxes.
 """
 from __future__ import annotations
