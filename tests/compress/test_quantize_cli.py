@@ -144,6 +144,14 @@ def test_inspect_sliding_gemma(tiny_checkpoints, capsys):
     assert "quantization: none" in stdout and "tied embeddings" in stdout
 
 
+def test_inspect_names_the_sinks(tiny_checkpoints, tmp_path, capsys):
+    from attention_variants.convert import ConvertSpec, convert
+
+    out = convert(tiny_checkpoints["gemma3_text"], ConvertSpec(sinks=4), tmp_path / "sinks").out
+    rc, stdout, _ = run_cli(capsys, "inspect", str(out))
+    assert rc == 0 and "sliding window 16 + 4 attention sinks on 3 layers [0, 1, 2]" in stdout
+
+
 # --- bad input: one line on stderr, exit 2, nothing written ----------------------------------
 def test_missing_path(tmp_path, capsys):
     rc, _, err = run_cli(capsys, "quantize", str(tmp_path / "nope"), "--int4", "-o", str(tmp_path / "o"))
