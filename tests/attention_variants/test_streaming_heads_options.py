@@ -1,31 +1,18 @@
 """The streaming-heads simulator (benchmarks/streaming_heads_options.py) against the product: no
 streaming head is the transformers model, and streaming every head of some layers is the
 checkpoint ``compress convert --sliding-window W --sinks S`` writes for those layers."""
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
 
 from attention_variants.convert import ConvertSpec
 from tests.attention_variants.helpers import convert_tiny, logits
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _script():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("streaming_heads_options", ROOT / "benchmarks" / "streaming_heads_options.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_scripts import load_benchmark
 
 
 def test_simulation_matches_the_model_and_the_converted_checkpoint(tiny_llama, tmp_path, monkeypatch):
     import transformers.models.llama.modeling_llama as llama
     from transformers import AutoModelForCausalLM
 
-    sim = _script()
+    sim = load_benchmark("streaming_heads_options")
     ids = torch.randint(3, 500, (1, 40), generator=torch.Generator().manual_seed(0))
     converted = convert_tiny(tiny_llama, tmp_path / "w8s3", ConvertSpec(sliding_window=8, global_layers=(3,), sinks=3))
     want_full, want_sinks = logits(tiny_llama, ids), logits(converted, ids)

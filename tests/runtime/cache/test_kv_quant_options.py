@@ -1,27 +1,15 @@
 """The KV-options simulator (benchmarks/kv_quant_options.py): exact when nothing is quantized, and
 a token reads its own block exact."""
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
 
-ROOT = Path(__file__).resolve().parents[3]
-
-
-def _script():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("kv_quant_options", ROOT / "benchmarks" / "kv_quant_options.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_scripts import load_benchmark
 
 
 def test_simulated_attention_matches_transformers_and_keeps_the_first_block_exact(tiny_llama, monkeypatch):
     import transformers.models.llama.modeling_llama as llama
     from transformers import AutoModelForCausalLM
 
-    opts = _script()
+    opts = load_benchmark("kv_quant_options")
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
     ids = torch.randint(3, 500, (1, 3 * opts.BLOCK), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
