@@ -4,7 +4,9 @@ Per checkpoint: weight bytes (safetensors on disk), KV bytes per token (the shar
 ``seq_len``), KV capacity (``runtime.cache.kv_report``: ``seq_len``-token sequences admitted into a
 ``budget`` cache until allocation fails), perplexity and task accuracy (``compress eval``'s pack
 through the ``kvslim`` backend, cached per checkpoint), recovery vs the first checkpoint, and
-aggregate decode tokens/s of the engine. Rendered as one Markdown table and one PNG.
+aggregate decode tokens/s of the engine; a checkpoint may be measured at several KV dtypes, one row
+each. Rendered as one Markdown table, one PNG of the figures and one Pareto PNG (KV bytes per token
+against perplexity, relative to the first row).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ class ReportSettings:
     # Decode speed is measured with each of these activation dtypes and the fastest is reported;
     # auto is each checkpoint's fastest setting on this CPU by construction.
     decode_dtypes: tuple[str, ...] = ("auto",)
+    context: int | None = None  # perplexity context (stride half of it); None: the pack's 512
 
 
 @dataclass(frozen=True)
@@ -66,12 +69,12 @@ def served_kv_dtype(config: dict) -> str:
     return (quant.kv_dtype if quant else None) or "bf16"
 
 
-def fastest_decode(ckpt: Path, s: ReportSettings) -> tuple[float, str]:
+def fastest_decode(ckpt: Path, s: ReportSettings, kv_dtype: str | None = None) -> tuple[float, str]:
     """``(tokens/s, dtype)``: the best of :func:`decode_tokens_per_s` over ``s.decode_dtypes``."""
-    return max(decode_tokens_per_s(ckpt, s, dtype) for dtype in s.decode_dtypes)
+    return max(decode_tokens_per_s(ckpt, s, dtype, kv_dtype) for dtype in s.decode_dtypes)
 
 
-def decode_tokens_per_s(ckpt: Path, s: ReportSettings, dtype: str) -> tuple[float, str]:
+def decode_tokens_per_s(ckpt: Path, s: ReportSettings, dtype: str, kv_dtype: str | None = None) -> tuple[float, str]:
     """``(tokens/s, resolved dtype)``: aggregate decode tokens/s of the engine with ``dtype`` activations: ``decode_batch``
     concurrent requests with ``decode_prompt_tokens``-token prompts from ``wikipedia:eval``;
     (time for prompt + ``decode_new_tokens``) minus (time for prompt + 1), per generated token
@@ -79,7 +82,7 @@ def decode_tokens_per_s(ckpt: Path, s: ReportSettings, dtype: str) -> tuple[floa
     from runtime.engine.engine import Engine, EngineConfig
     from runtime.engine.sampling import SamplingParams
 
-    engine = Engine.from_checkpoint(ckpt, EngineConfig(dtype=dtype, max_num_seqs=s.decode_batch,
+    engine = Engine.from_checkpoint(ckpt, EngineConfig(dtype=dtype, max_num_seqs=s.decode_batch, kv_dtype=kv_dtype,
                                                        enable_prefix_caching=False))
     ids = _eval_token_ids(ckpt, s.decode_batch * s.decode_prompt_tokens)
     prompts = [ids[i * s.decode_prompt_tokens:(i + 1) * s.decode_prompt_tokens] for i in range(s.decode_batch)]
@@ -106,21 +109,27 @@ def _eval_token_ids(ckpt: Path, n: int) -> list[int]:
     return ids
 
 
-def measure(name: str, ckpt: Path, s: ReportSettings, use_cache: bool = True) -> CheckpointRow:
-    """Every figure of one checkpoint (the eval part is cached by ``compress eval``)."""
+def measure(name: str, ckpt: Path, s: ReportSettings, use_cache: bool = True,
+            kv_cache_dtype: str = "auto") -> CheckpointRow:
+    """Every figure of one checkpoint (the eval part is cached by ``compress eval``), with the KV
+    cache in ``kv_cache_dtype`` (a ``--kv-cache-dtype`` name; auto: the one it is served with)."""
     from eval.cached_evaluation import evaluate_cached
     from eval.lm_eval_runner import EvalPlan
+    from runtime.cache.kv_dtype_choices import KV_CACHE_DTYPES
     from runtime.cache.kv_report import has_static_kv_scales, report_variant
 
     config = json.loads((ckpt / "config.json").read_text())
-    kv_dtype = served_kv_dtype(config)
-    kv = report_variant(name, config, kv_dtype, s.kv_budget_bytes, s.seq_len, static_scales=has_static_kv_scales(ckpt))
-    plan = EvalPlan.make(list(s.tasks), s.limit, s.perplexity_tokens, 8, s.dtype)
+    chosen = KV_CACHE_DTYPES[kv_cache_dtype]
+    kv_dtype = chosen or served_kv_dtype(config)
+    static = has_static_kv_scales(ckpt) and kv_dtype == served_kv_dtype(config)
+    kv = report_variant(name, config, kv_dtype, s.kv_budget_bytes, s.seq_len, static_scales=static)
+    plan = EvalPlan.make(list(s.tasks), s.limit, s.perplexity_tokens, 8, s.dtype,
+                         kv_cache_dtype=kv_cache_dtype, context=s.context)
     results, _ = evaluate_cached(str(ckpt), plan, "kvslim", use_cache)
     ppl_name = next((t for t in s.tasks if t in PERPLEXITY_TASKS), None)
     ppl = results.scores[ppl_name] if ppl_name else None
     accuracy = {t: sc.value for t, sc in results.scores.items() if t not in PERPLEXITY_TASKS}
-    tokens_per_s, decode_dtype = fastest_decode(ckpt, s)
+    tokens_per_s, decode_dtype = fastest_decode(ckpt, s, chosen)
     return CheckpointRow(
         name=name, path=str(ckpt), weight_bytes=weight_bytes(ckpt), kv_dtype=kv_dtype,
         kv_bytes_per_token=kv.formula_bytes_per_token, kv_capacity_seqs=kv.capacity_seqs,
@@ -139,17 +148,31 @@ def recovery(row: CheckpointRow, base: CheckpointRow) -> float | None:
     return sum(ratios) / len(ratios) if ratios else None
 
 
+def kv_smaller(row: CheckpointRow, base: CheckpointRow) -> float:
+    """How many times fewer KV bytes per token ``row`` holds than ``base``."""
+    return base.kv_bytes_per_token / row.kv_bytes_per_token
+
+
+def perplexity_change(row: CheckpointRow, base: CheckpointRow) -> float | None:
+    """Relative perplexity change against ``base`` (0.05 = +5%), None where either is missing."""
+    if row.perplexity is None or base.perplexity is None:
+        return None
+    return row.perplexity / base.perplexity - 1
+
+
 def markdown_table(rows: list[CheckpointRow], s: ReportSettings) -> str:
-    """The table (first row is the baseline of the recovery column) and the settings under it."""
+    """The table (first row is the baseline of the recovery and ratio columns) and the settings under it."""
     tasks = list(rows[0].accuracy)
-    head = (["checkpoint", "weights MiB", "KV dtype", "KV B/token", "KV capacity (seqs)", "perplexity"]
-            + [f"{t} acc" for t in tasks] + ["mean acc", "recovery", "decode tok/s"])
+    head = (["checkpoint", "weights MiB", "KV dtype", "KV B/token", "KV smaller", "KV capacity (seqs)", "perplexity",
+             "ppl change"] + [f"{t} acc" for t in tasks] + ["mean acc", "recovery", "decode tok/s"])
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     base = rows[0]
     for r in rows:
-        acc, rec = mean_accuracy(r), recovery(r, base)
+        acc, rec, change = mean_accuracy(r), recovery(r, base), perplexity_change(r, base)
         cells = [r.name, f"{r.weight_bytes / MIB:,.1f}", r.kv_dtype, f"{r.kv_bytes_per_token:,.0f}",
-                 f"{r.kv_capacity_seqs:,}", "-" if r.perplexity is None else f"{r.perplexity:,.2f}"]
+                 f"{kv_smaller(r, base):.2f}x", f"{r.kv_capacity_seqs:,}",
+                 "-" if r.perplexity is None else f"{r.perplexity:,.2f}",
+                 "-" if change is None else f"{change:+.2%}"]
         cells += [f"{r.accuracy[t]:.3f}" for t in tasks]
         cells += ["-" if acc is None else f"{acc:.3f}", "-" if rec is None else f"{rec:.1%}",
                   f"{r.decode_tokens_per_s:,.1f} ({DTYPE_SHORT.get(r.decode_dtype, r.decode_dtype)})"]
@@ -157,8 +180,9 @@ def markdown_table(rows: list[CheckpointRow], s: ReportSettings) -> str:
     limit = "the pack's fixed per-task limits" if s.limit is None else f"first {s.limit} docs per task"
     lines += [
         "",
-        f"- KV B/token: the shared formula at {s.seq_len} tokens, in the KV dtype served (the checkpoint's "
-        f"kv_cache_scheme, else bf16). KV capacity: {s.seq_len}-token sequences admitted into a "
+        f"- KV B/token: the shared formula at {s.seq_len} tokens, in the row's KV dtype (by default the one "
+        f"served: the checkpoint's kv_cache_scheme, else bf16); KV smaller and ppl change: against "
+        f"{base.name}. KV capacity: {s.seq_len}-token sequences admitted into a "
         f"{s.kv_budget_bytes / GIB:g} GiB paged cache until allocation fails (runtime/cache/kv_report.py).",
         f"- Perplexity: {rows[0].perplexity_detail or 'not measured'} (foundation/perplexity.py, kvslim runtime, "
         f"{s.dtype} activations: each row's dtype is named in brackets after its decode tok/s). "
@@ -166,8 +190,8 @@ def markdown_table(rows: list[CheckpointRow], s: ReportSettings) -> str:
            f"recovery = mean over tasks of accuracy / {base.name}'s." if tasks else "No lm-eval task."),
         f"- Decode tok/s: kvslim engine, {s.decode_batch} concurrent requests, "
         f"{s.decode_prompt_tokens}-token prompts of wikipedia:eval, {s.decode_new_tokens} new tokens; "
-        "aggregate generated tokens/s after the first token; KV in the checkpoint's kv_cache_scheme, else the "
-        "activation dtype; activations "
+        "aggregate generated tokens/s after the first token; KV in the row's dtype (by default the checkpoint's "
+        "kv_cache_scheme, else the activation dtype); activations "
         + ("auto (the runtime's choice on this CPU)" if s.decode_dtypes == ("auto",)
            else f"the fastest of {', '.join(s.decode_dtypes)} per checkpoint")
         + ", named in brackets.",
@@ -214,10 +238,46 @@ def plot(rows: list[CheckpointRow], path: Path, s: ReportSettings) -> None:
     plt.close(fig)
 
 
+def plot_pareto(rows: list[CheckpointRow], path: Path, s: ReportSettings) -> None:
+    """One PNG: KV bytes per token (times fewer than the first row, log scale) against the
+    perplexity change, one labelled point per row; the rows no other row beats on both are joined."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = rows[0]
+    points = [(kv_smaller(r, base), 100 * perplexity_change(r, base), r.name) for r in rows
+              if perplexity_change(r, base) is not None]
+    fig, ax = plt.subplots(figsize=(9, 6))
+    ax.set_xscale("log")
+    for x, y, name in points:
+        ax.scatter(x, y, s=30)
+        ax.annotate(name, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    front = sorted((p for p in points if not any(q[0] >= p[0] and q[1] <= p[1] and q[:2] != p[:2] for q in points)))
+    if len(front) > 1:
+        ax.plot([p[0] for p in front], [p[1] for p in front], color="gray", alpha=0.5, zorder=0)
+    ax.axhline(0, color="gray", lw=0.8)
+    if points:
+        lo, hi = min(p[0] for p in points) / 1.5, max(p[0] for p in points) * 1.5
+        ticks = [t for t in (0.5, 1, 2, 4, 8, 16, 32, 64) if lo <= t <= hi]
+        ax.set_xticks(ticks, [f"{t:g}x" for t in ticks])
+    else:
+        ax.text(0.5, 0.5, "perplexity not measured", ha="center", va="center", transform=ax.transAxes, color="gray")
+    ax.set_xlabel(f"KV bytes per token at {s.seq_len} tokens: times fewer than {base.name}")
+    ax.set_ylabel(f"perplexity change vs {base.name} (%)")
+    ax.grid(alpha=0.3, which="both")
+    ax.set_title("kvslim: KV bytes vs quality (lower right is better)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def write_report(rows: list[CheckpointRow], out: Path, s: ReportSettings) -> tuple[Path, Path]:
-    """report.md, report.png and report.json into ``out`` (an existing directory)."""
+    """report.md, report.png, pareto.png and report.json into ``out`` (an existing directory)."""
     md, png = out / "report.md", out / "report.png"
     md.write_text(markdown_table(rows, s) + "\n")
     plot(rows, png, s)
+    plot_pareto(rows, out / "pareto.png", s)
     (out / "report.json").write_text(json.dumps({"settings": asdict(s), "rows": [asdict(r) for r in rows]}, indent=2))
     return md, png

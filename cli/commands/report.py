@@ -1,14 +1,17 @@
-"""`compress report CKPT ... [-o DIR]`: one Markdown table and one PNG comparing checkpoints.
+"""`compress report CKPT ... [--kv-cache-dtypes D ...] [-o DIR]`: one Markdown table, one PNG of the
+figures and one Pareto PNG (KV bytes vs perplexity) comparing checkpoints.
 
 Weight bytes, KV bytes per token, measured KV capacity, perplexity, task accuracy and recovery vs
-the first checkpoint, decode tokens/s: all measured on kvslim's runtime (``eval/report.py``).
-Accuracy and perplexity come from ``compress eval --backend kvslim`` (cached per checkpoint).
+the first row, decode tokens/s: all measured on kvslim's runtime (``eval/report.py``), one row per
+checkpoint and KV dtype. Accuracy and perplexity come from ``compress eval --backend kvslim``
+(cached per checkpoint and KV dtype).
 """
 from __future__ import annotations
 
 import argparse
 
 from foundation.errors import KvslimError
+from runtime.cache.kv_dtype_choices import KV_CACHE_DTYPES
 
 DEFAULT_TASKS = ("arc_easy", "hellaswag", "piqa", "ppl_wikipedia")
 
@@ -24,6 +27,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-budget-gib", type=float, default=1.0, help="KV cache budget for the capacity column (default 1)")
     p.add_argument("--decode-batch", type=int, default=8, help="concurrent requests of the decode benchmark (default 8)")
     p.add_argument("--decode-tokens", type=int, default=32, help="new tokens per decode request (default 32)")
+    p.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], choices=list(KV_CACHE_DTYPES), metavar="D",
+                   help="measure each checkpoint with each of these KV cache dtypes, one row each (default: "
+                        f"auto; {', '.join(KV_CACHE_DTYPES)})")
+    p.add_argument("--ctx", type=int, help="perplexity context, stride half of it (default 512)")
     p.add_argument("--no-cache", action="store_true", help="re-run evals even when cached results exist")
     p.add_argument("-o", "--out", default="report", help="output directory (default ./report)")
     p.add_argument("--force", action="store_true", help="overwrite an existing output directory")
@@ -55,14 +62,19 @@ def run(args: argparse.Namespace) -> int:
     check_output_dir(out, args.force)
     paths = [resolve_model(c).resolve() for c in args.checkpoints]
     names = names or [p.name for p in paths]
+    if args.ctx is not None and args.ctx < 2:
+        raise KvslimError(f"--ctx must be >= 2, got {args.ctx}")
     settings = ReportSettings(tasks=tasks, limit=args.limit, perplexity_tokens=args.ppl_tokens,
                               kv_budget_bytes=int(args.kv_budget_gib * GIB), decode_batch=args.decode_batch,
-                              decode_new_tokens=args.decode_tokens)
+                              decode_new_tokens=args.decode_tokens, context=args.ctx)
     torch.set_num_threads(min(torch.get_num_threads(), 4))
     rows = []
+    kv_dtypes = list(dict.fromkeys(args.kv_cache_dtypes))
     for name, path in zip(names, paths):
-        print(f"measuring {name} ({path})", flush=True)
-        rows.append(measure(name, path, settings, use_cache=not args.no_cache))
+        for kv in kv_dtypes:
+            row_name = name if len(kv_dtypes) == 1 else f"{name} {kv}"
+            print(f"measuring {row_name} ({path})", flush=True)
+            rows.append(measure(row_name, path, settings, use_cache=not args.no_cache, kv_cache_dtype=kv))
     with atomic_output_dir(out, args.force) as tmp:
         md, _ = write_report(rows, tmp, settings)
         table = md.read_text()
@@ -70,4 +82,5 @@ def run(args: argparse.Namespace) -> int:
     print(table)
     print(f"table: {out / 'report.md'}")
     print(f"plot:  {out / 'report.png'}")
+    print(f"pareto: {out / 'pareto.png'}")
     return 0

@@ -49,10 +49,26 @@ def test_report_table_plot_and_json(variants, tmp_path, capsys):
     assert "wikipedia:eval, first 200 tokens" in table
 
 
+def test_kv_dtype_rows_and_pareto(variants, tmp_path, capsys):
+    """One row per KV dtype of a checkpoint, ratios against the first row, and the Pareto PNG."""
+    out = tmp_path / "rep"
+    assert main(["report", str(variants[0]), "--names", "orig", "--kv-cache-dtypes", "bf16", "int4", *ARGS,
+                 "--ctx", "128", "-o", str(out)]) == 0
+    assert f"pareto: {out / 'pareto.png'}" in capsys.readouterr().out
+    assert (out / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bf16, int4 = json.loads((out / "report.json").read_text())["rows"]
+    assert (bf16["name"], bf16["kv_dtype"], int4["name"], int4["kv_dtype"]) == ("orig bf16", "bf16", "orig int4", "int4")
+    assert int4["kv_bytes_per_token"] < bf16["kv_bytes_per_token"] / 3
+    assert int4["perplexity"] != bf16["perplexity"]  # int4 KV read back as served
+    table = (out / "report.md").read_text()
+    assert "| 1.00x |" in table and "context 128" in table
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--names", "a"], "--names has 1 names"),
     (["--tasks", "ppl_wikipedia,ppl_pydoc"], "at most one perplexity"),
     (["--decode-batch", "0"], "--decode-batch must be"),
+    (["--ctx", "1"], "--ctx must be >= 2"),
 ])
 def test_bad_input_one_line_exit_2(variants, tmp_path, capsys, extra, message):
     out = tmp_path / "rep"
