@@ -66,6 +66,12 @@ def sink_window_overlay(window: int, sinks: int):
     return inner
 
 
+def _check_sinks_backend(config) -> None:
+    """Sinks live in the attention mask; flash-attention kernels take a window, not a mask."""
+    if "flash" in str(getattr(config, "_attn_implementation", "")):
+        raise ValueError("attention sinks need a masked attention implementation (sdpa or eager), not flash attention")
+
+
 def _keep_every_token(cache) -> None:
     """Sink layers read the first tokens forever: a fresh DynamicCache's sliding layers become full."""
     for i, layer in enumerate(cache.layers):
@@ -147,8 +153,10 @@ class KvslimModelMixin:
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         sinks = _sinks(self.config)
-        if sinks and cache is not None:
-            _keep_every_token(cache)
+        if sinks:
+            _check_sinks_backend(self.config)
+            if cache is not None:
+                _keep_every_token(cache)
         if position_ids is None:
             past_seen = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen
@@ -260,6 +268,7 @@ class KvslimGemma3TextModel(modeling_gemma3.Gemma3TextModel):
         cache = cache if cache is not None else past_key_values
         sinks = _sinks(self.config)
         if sinks and not isinstance(attention_mask, dict):
+            _check_sinks_backend(self.config)
             if inputs_embeds is None:
                 inputs_embeds, input_ids = self.embed_tokens(input_ids), None
             if (use_cache if use_cache is not None else self.config.use_cache) and cache is None:
