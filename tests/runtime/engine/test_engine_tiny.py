@@ -124,7 +124,7 @@ def test_sinks_model_matches_core_and_holds_only_sinks_and_window(tiny_llama, tm
     assert [engine.kv_spec.groups[g].sinks for g in sliding] == [5]
     limit = -(-5 // bs) + -(-(8 + bs - 1) // bs) + 1
     ps = prompts(4, seed=3, lo=20, hi=40)
-    params = SamplingParams(max_tokens=80, temperature=0, logprobs=3, ignore_eos=True)
+    params = SamplingParams(max_tokens=40, temperature=0, logprobs=3, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in ps]
     outs, most, decoding = {}, 0, set()
     while engine.has_unfinished:
