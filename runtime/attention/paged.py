@@ -143,7 +143,11 @@ def _plan(batch: PagedBatch, table: torch.Tensor, window: int | None, sinks: int
         # Columns past a table's end read block 0; their key positions are >= ctx, so masked.
         decode_blocks = table[idx[:, None], cols.clamp_max(table.shape[1] - 1)]
         key_pos = (cols[:, :, None] * bs + torch.arange(bs)).flatten(1)  # [S, Tk]
-        decode_new_key = (key_pos == (ctx - 1)[:, None]).int().argmax(dim=1)
+        # The new token's key: in a sink block at its own position, else offset from the window's first column.
+        last = ctx - 1
+        in_sinks = last < sink_blocks * bs
+        decode_new_key = torch.where(in_sinks, last, last - (cols[:, sink_blocks] - sink_blocks) * bs) if window is not None \
+            else last - cols[:, 0] * bs
         allowed = key_pos < ctx[:, None]
         if window is not None:
             allowed &= (key_pos >= (ctx - window)[:, None]) | (key_pos < sinks)

@@ -107,3 +107,19 @@ def test_paged_matches_reference(kv_dtype, static, softcap, sinks):
         assert all(b >= 0 for b in sliding[:-(-sinks // bs)])  # the sink blocks stay
         bm.free(s)
     assert bm.num_free(0) == 64 and bm.num_free(1) == 64
+
+
+@pytest.mark.parametrize("window,sinks", [(None, 0), (5, 0), (5, 3), (6, 9)])
+def test_decode_plan_finds_each_new_key(window, sinks):
+    """Each decoding token's own key among those read: the right block and offset (the read rule
+    puts the exact new row there)."""
+    from runtime.attention.paged import _plan
+
+    bs = 4
+    ctxs = [1, 3, 4, 5, 8, 9, 12, 13, 17, 21]
+    table = torch.arange(len(ctxs) * 8, dtype=torch.int32).view(len(ctxs), 8) + 100
+    batch = PagedBatch.build(bs, [c - 1 for c in ctxs], [1] * len(ctxs), [[row.tolist()] for row in table])
+    plan = _plan(batch, batch.block_tables[0], window, sinks, torch.float32, False)
+    for s, ctx in enumerate(ctxs):
+        at = int(plan.decode_new_key[s])
+        assert plan.decode_blocks[s, at // bs] == table[s, (ctx - 1) // bs] and at % bs == (ctx - 1) % bs, (ctx, at)
