@@ -34,3 +34,17 @@ def dev_slice(model_dir: Path, samples: int, dev_tokens: int) -> tuple[torch.Ten
 def dev_perplexity(model, dev: torch.Tensor, name: str) -> float:
     """Perplexity (context 512, stride 256) of a transformers model on the dev slice."""
     return perplexity(hf_logits_fn(model), dev, name, DEFAULT_CONTEXT, DEFAULT_STRIDE, progress=False).perplexity
+
+
+def dev_model(dev_tokens: int, attn_implementation: str = "sdpa"):
+    """``(model_dir, ids, name, model)``: the default model's dir, ``dev_tokens`` of the dev slice
+    after the 64 GPTQ calibration windows, and the model in fp32 transformers (eval mode)."""
+    from transformers import AutoModelForCausalLM
+
+    from foundation.model_source import resolve_model
+
+    path = resolve_model("smollm2")
+    ids, name = dev_slice(path, 64, dev_tokens)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                                 attn_implementation=attn_implementation).eval()
+    return path, ids, name, model

@@ -135,15 +135,11 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(2)
 
-    from dev_slice import dev_slice
-    from transformers import AutoModelForCausalLM
+    from dev_slice import dev_model
 
-    from foundation.model_source import resolve_model
     from foundation.perplexity import hf_logits_fn, perplexity
 
-    path = resolve_model("smollm2")
-    ids, name = dev_slice(path, 64, args.tokens)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    _, ids, name, model = dev_model(args.tokens)
     current: list = [None]
     install(current)
     results = {}

@@ -103,17 +103,13 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(2)
 
-    from dev_slice import dev_slice
-    from transformers import AutoModelForCausalLM
+    from dev_slice import dev_model
 
     from foundation.calibration import CalibrationSpec, calibration_ids
-    from foundation.model_source import resolve_model
     from foundation.perplexity import hf_logits_fn, perplexity
 
-    path = resolve_model("smollm2")
-    ids, name = dev_slice(path, 64, args.tokens)
+    path, ids, name, model = dev_model(args.tokens, attn_implementation="eager")
     calib = calibration_ids(path, CalibrationSpec(source="wikipedia:calib", num_samples=2, seq_len=1024))
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
     scores = head_scores(model, calib, args.window, args.sinks)
     shape = tuple(scores["far"].shape)
     runs = {"full": torch.zeros(shape, dtype=torch.bool)}
