@@ -7,9 +7,11 @@ and rotary, then hands attention to a backend, which owns the cache and the step
 
     out = backend.attend(layer_idx, q, k, v)
 
-- ``q``: ``[T, num_heads, head_dim]``; ``k``, ``v``: ``[T, num_kv_heads, head_dim]`` after
-  rotary and norms, or ``None`` for a layer that reads another layer's KV
-  (``AttentionLayout.layers[i].kv_source != i``); the backend then reads the owner's cache.
+- ``q``: ``[T, num_heads, head_dim]`` after rotary and norms; ``k``, ``v``: ``[T, num_kv_heads,
+  head_dim]`` after norms, k *before* rotary when the layer's ``AttentionParams.key_rope`` is set
+  (the backend rotates keys: a cache layout may store them before RoPE), or ``None`` for a layer
+  that reads another layer's KV (``AttentionLayout.layers[i].kv_source != i``); the backend then
+  reads the owner's cache, with the owner's key rope.
 - The backend writes the new k/v into its cache (quantizing on write when the cache is FP8/INT8),
   then computes causal attention of each new token over its sequence's cached context, honouring
   the layer's sliding window, GQA head mapping, the softmax scale and optional logit softcap.
@@ -26,6 +28,8 @@ from typing import Protocol
 
 import torch
 
+from runtime.attention.key_rope import KeyRope
+
 
 @dataclass(frozen=True)
 class AttentionParams:
@@ -36,6 +40,7 @@ class AttentionParams:
     kv_source: int  # layer whose cache holds this layer's K/V
     softcap: float | None = None
     sinks: int = 0  # with a window: the first ``sinks`` positions stay visible too
+    key_rope: KeyRope | None = None  # None: k arrives rotated (or the model has no rotary)
 
 
 class AttentionBackend(Protocol):

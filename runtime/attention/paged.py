@@ -7,7 +7,9 @@ batch); sequences with several new tokens (prefill chunks) one at a time, over t
 prefix plus the chunk. Quantized caches are dequantized on read to q's dtype; SDPA does the
 math (fp32 accumulation); logit softcap takes a plain fp32 path. With int4/int2 KV a step reads
 its own new rows exact (KIVI: the prompt is attended in full precision) and everything written
-before as stored: earlier blocks quantized, the sequence's open block exact.
+before as stored: earlier blocks quantized, the sequence's open block exact. Keys arrive before
+rotary (``AttentionParams.key_rope``): rotated here before the write, or, in a layout that stores
+them before RoPE (int2), after it, and every key read rotated at its position in fp32.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.attention.backend import AttentionParams
+from runtime.attention.key_rope import KeyRope, StepKeyRotary
 from runtime.cache.kv_cache import RELEASED, KVCache
 
 
@@ -120,8 +123,10 @@ class _ReadPlan:
     decode_allowed: torch.Tensor | None
     decode_bias: torch.Tensor | None
     decode_new_key: torch.Tensor | None  # [S_decode]: each new token's own key among the Tk read
-    # (seq, rows, blocks [1, nb], allowed [1, n, Tk], index of the chunk's first key among those read)
-    chunks: tuple[tuple[int, slice, torch.Tensor, torch.Tensor, int], ...]
+    decode_key_pos: torch.Tensor | None  # [S_decode, Tk]: the position of each key read
+    # (seq, rows, blocks [1, nb], allowed [1, n, Tk], index of the chunk's first key among those
+    # read, key positions [1, Tk])
+    chunks: tuple[tuple[int, slice, torch.Tensor, torch.Tensor, int, torch.Tensor], ...]
 
 
 def _plan(batch: PagedBatch, table: torch.Tensor, window: int | None, sinks: int, dtype: torch.dtype,
@@ -130,7 +135,7 @@ def _plan(batch: PagedBatch, table: torch.Tensor, window: int | None, sinks: int
     holding the ``sinks`` first positions (each block read once)."""
     bs = batch.block_size
     sink_blocks = -(-sinks // bs) if window is not None else 0
-    decode_blocks = decode_allowed = decode_bias = decode_new_key = None
+    decode_blocks = decode_allowed = decode_bias = decode_new_key = decode_key_pos = None
     if batch.decode_seqs.numel():
         idx = batch.decode_seqs
         ctx = batch.context_lens[idx].long()  # [S]
@@ -142,7 +147,7 @@ def _plan(batch: PagedBatch, table: torch.Tensor, window: int | None, sinks: int
             cols = torch.cat([torch.arange(sink_blocks).expand(len(idx), -1), lo[:, None] + torch.arange(n)], dim=1)
         # Columns past a table's end read block 0; their key positions are >= ctx, so masked.
         decode_blocks = table[idx[:, None], cols.clamp_max(table.shape[1] - 1)]
-        key_pos = (cols[:, :, None] * bs + torch.arange(bs)).flatten(1)  # [S, Tk]
+        key_pos = decode_key_pos = (cols[:, :, None] * bs + torch.arange(bs)).flatten(1)  # [S, Tk]
         # The new token's key: in a sink block at its own position, else offset from the window's first column.
         last = ctx - 1
         in_sinks = last < sink_blocks * bs
@@ -170,8 +175,8 @@ def _plan(batch: PagedBatch, table: torch.Tensor, window: int | None, sinks: int
         if window is not None:
             allowed &= (dist < window) | (key_pos < sinks)[None, :]
         chunks.append((i, slice(starts[i], starts[i] + n), table[i, cols].unsqueeze(0), allowed.unsqueeze(0),
-                       (min(sink_blocks, lo) - lo) * bs + first))
-    return _ReadPlan(decode_blocks, decode_allowed, decode_bias, decode_new_key, tuple(chunks))
+                       (min(sink_blocks, lo) - lo) * bs + first, key_pos.unsqueeze(0)))
+    return _ReadPlan(decode_blocks, decode_allowed, decode_bias, decode_new_key, decode_key_pos, tuple(chunks))
 
 
 def _attend_decode(
@@ -205,11 +210,21 @@ class PagedAttentionBackend:
         self._plans: dict[tuple[int, int | None, int, torch.dtype, bool], _ReadPlan] = {}
         # int4/int2: each cache slot's new rows this step, for the layers that read that slot's KV
         self._fresh: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rotary: StepKeyRotary | None = None
 
     def set_batch(self, batch: PagedBatch) -> None:
         self.batch = batch
         self._plans = {}
         self._fresh = {}
+        self._rotary = StepKeyRotary(batch.positions)
+
+    def _read(self, layer_idx: int, blocks: torch.Tensor, key_pos: torch.Tensor, dtype: torch.dtype,
+              rope: KeyRope | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of ``blocks`` in ``dtype``; keys stored before RoPE rotated at ``key_pos`` in fp32."""
+        if rope is None:
+            return self.cache.gather(layer_idx, blocks, dtype)
+        kk, vv = self.cache.gather(layer_idx, blocks, torch.float32)
+        return rope.rotate(kk, key_pos).to(dtype), vv.to(dtype)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
         batch = self.batch
@@ -217,8 +232,12 @@ class PagedAttentionBackend:
         slot = self.cache.spec.layer_slots[layer_idx]
         g = slot[0]
         params = self.params[layer_idx]
+        rope = self.params[params.kv_source].key_rope  # the keys' rotation is their owner's
+        read_rope = rope if self.cache.keys_before_rope(layer_idx) else None  # rotate keys on read
         if k is not None:
-            self.cache.write(layer_idx, k, v, batch.slot_mapping[g])
+            k_rotated = self._rotary(rope, k)
+            self.cache.write(layer_idx, k if read_rope else k_rotated, v, batch.slot_mapping[g])
+            k = k_rotated
         packed = self.cache.is_packed(layer_idx)
         if packed and k is not None:
             self._fresh[slot] = (k, v)
@@ -231,19 +250,19 @@ class PagedAttentionBackend:
         plan = self._plans[key]
         fresh_exact = k is not None and packed  # read this step's rows exact
         if plan.decode_blocks is not None and not plan.chunks:  # a pure decode step
-            kk, vv = self.cache.gather(layer_idx, plan.decode_blocks, q.dtype)
+            kk, vv = self._read(layer_idx, plan.decode_blocks, plan.decode_key_pos, q.dtype, read_rope)
             if fresh_exact:
                 _put_decode_rows(kk, vv, k, v, plan.decode_new_key)
             return _attend_decode(q, kk, vv, plan, params)
         out = torch.empty_like(q)
         if plan.decode_blocks is not None:
             rows = batch.decode_rows
-            kk, vv = self.cache.gather(layer_idx, plan.decode_blocks, q.dtype)
+            kk, vv = self._read(layer_idx, plan.decode_blocks, plan.decode_key_pos, q.dtype, read_rope)
             if fresh_exact:
                 _put_decode_rows(kk, vv, k[rows], v[rows], plan.decode_new_key)
             out[rows] = _attend_decode(q[rows], kk, vv, plan, params)
         fresh_ok = k is not None and (fresh_exact or self.cache.stores_exactly(layer_idx, q.dtype))
-        for i, rows, blocks, allowed, fresh_at in plan.chunks:
+        for i, rows, blocks, allowed, fresh_at, key_pos in plan.chunks:
             n = rows.stop - rows.start
             if fresh_ok and batch.first_positions[i] == 0 and (params.window or n) >= n and params.softcap is None:
                 # A whole prompt in one chunk: its keys are exactly this step's k/v.
@@ -253,7 +272,7 @@ class PagedAttentionBackend:
                     is_causal=True, scale=params.scale, enable_gqa=q.shape[1] != k.shape[1],
                 )[0].transpose(0, 1)
                 continue
-            kk, vv = self.cache.gather(layer_idx, blocks, q.dtype)
+            kk, vv = self._read(layer_idx, blocks, key_pos, q.dtype, read_rope)
             if fresh_exact:
                 kk[0, fresh_at:fresh_at + n], vv[0, fresh_at:fresh_at + n] = k[rows], v[rows]
             out[rows] = _attend(q[rows].unsqueeze(0), kk, vv, allowed, params).squeeze(0)

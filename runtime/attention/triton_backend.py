@@ -6,7 +6,9 @@ whole flattened batch, routed by ``dispatch``: Triton on CUDA, the plain-torch r
 bf16/fp16/fp32/fp8/int8 layers take ``store_kv`` and ``paged_attention``; packed int4/int2 layers
 (``PackedLayerCache``) ``store_packed_kv`` and ``packed_paged_attention``, which reads the
 step's own new rows exact from ``k``/``v``, as the torch path. Layers that read another layer's
-KV get the owner's cache tensors, and with int4/int2 the owner's new rows of this step.
+KV get the owner's cache tensors, and with int4/int2 the owner's new rows of this step. Keys
+arrive before rotary and are rotated here (torch) before the store, except in a layout that stores
+them before RoPE (int2), whose attention kernel rotates each key it reads.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from runtime.attention.backend import AttentionParams
+from runtime.attention.key_rope import StepKeyRotary
 from runtime.attention.paged import PagedBatch
 from runtime.cache.kv_cache import KVCache
 from runtime.cache.packed_layer import PackedLayerCache
@@ -49,10 +52,12 @@ class KernelAttentionBackend:
         self._maxima: dict = {}
         # int4/int2: each cache slot's new rows this step, for the layers that read that slot's KV
         self._fresh: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rotary: StepKeyRotary | None = None
 
     def set_batch(self, batch: PagedBatch) -> None:
         self.batch = batch
         self._fresh = {}
+        self._rotary = StepKeyRotary(batch.positions)
         if self._takes_maxima:
             self._maxima = dict(
                 max_query_len=max(batch.query_lens, default=0),
@@ -66,15 +71,18 @@ class KernelAttentionBackend:
         g = slot[0]
         lc = self.cache.layers[layer_idx]
         params = self.params[layer_idx]
+        rope = self.params[params.kv_source].key_rope  # the keys' rotation is their owner's
+        k_rotated = None if k is None else self._rotary(rope, k)
         meta = (batch.block_tables[g], batch.context_lens, batch.query_start_loc, params.scale, params.window, params.softcap)
         if isinstance(lc, PackedLayerCache):
+            read_rope = rope if lc.keys_before_rope else None  # the kernel rotates each key it reads
             if k is not None:
-                self._store_packed(k, v, lc, batch.slot_mapping[g])
-                self._fresh[slot] = (k, v)
-            else:  # a layer reading another layer's KV reads its new rows exact too
-                k, v = self._fresh.get(slot, (None, None))
-            return self._attention_packed(q, k, v, lc, *meta, sinks=params.sinks, **self._maxima)
+                self._store_packed(k if read_rope else k_rotated, v, lc, batch.slot_mapping[g])
+                self._fresh[slot] = (k_rotated, v)
+            # a layer reading another layer's KV reads its new rows exact too
+            k, v = self._fresh.get(slot, (None, None))
+            return self._attention_packed(q, k, v, lc, *meta, sinks=params.sinks, key_rope=read_rope, **self._maxima)
         if k is not None:
-            self._store(k, v, lc.k_cache, lc.v_cache, batch.slot_mapping[g], lc.k_scale, lc.v_scale)
+            self._store(k_rotated, v, lc.k_cache, lc.v_cache, batch.slot_mapping[g], lc.k_scale, lc.v_scale)
         return self._attention(q, lc.k_cache, lc.v_cache, *meta, lc.k_scale, lc.v_scale, sinks=params.sinks,
                                **self._maxima)

@@ -296,6 +296,11 @@ class KVCache:
         """Whether ``layer``'s cache is int4/int2 (packed, quantized a block at a time)."""
         return isinstance(self.layers[layer], PackedLayerCache)
 
+    def keys_before_rope(self, layer: int) -> bool:
+        """Whether ``layer``'s cache stores keys before RoPE (rotated on read; int2)."""
+        lc = self.layers[layer]
+        return isinstance(lc, PackedLayerCache) and lc.keys_before_rope
+
     def stores_exactly(self, layer: int, dtype: torch.dtype) -> bool:
         """Whether ``layer``'s cache keeps K/V of ``dtype`` unchanged (no quantization, same dtype)."""
         lc = self.layers[layer]

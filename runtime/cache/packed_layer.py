@@ -18,6 +18,7 @@ import torch
 
 from foundation.errors import KvslimError
 from runtime.cache.low_bit_kv import (
+    KEYS_BEFORE_ROPE_BITS,
     dequantize_keys,
     dequantize_values,
     quantize_key_blocks,
@@ -43,6 +44,7 @@ class PackedLayerCache:
         self.v_scale, self.v_min = tensors["v_scale"], tensors["v_min"]
         self.k_residual, self.v_residual = tensors["k_residual"], tensors["v_residual"]
         self.bits = bits
+        self.keys_before_rope = bits in KEYS_BEFORE_ROPE_BITS  # the caller stores and reads keys unrotated
         self.block_size = self.k_codes.shape[1]
         num_blocks, num_slots = self.k_codes.shape[0], self.k_residual.shape[0]
         self.residual_dtype = residual_dtype

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from foundation.errors import KvslimError
+from runtime.cache.low_bit_kv import KEYS_BEFORE_ROPE_BITS
 from runtime.kernels.packed_kv_store import quantize_num_warps
 from runtime.kernels.packed_paged_attention import key_tile
 from runtime.kernels.paged_attention import attention_num_warps
@@ -26,7 +27,7 @@ SM90 = ("cuda", 90, 32)  # backend, compute capability, warp size
 H100_SHARED_BYTES = 227 * 1024  # opt-in shared memory per block on sm_90
 
 # Scalar arguments that are floats; every other non-pointer, non-constexpr argument is i32.
-FLOAT_ARGS = {"sm_scale", "softcap"}
+FLOAT_ARGS = {"sm_scale", "softcap", "rope_scaling"}
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,8 @@ def _attention_variants() -> list[KernelVariant]:
         ptrs = {"q_ptr": f"*{qd}", "k_cache_ptr": f"*{cd}", "v_cache_ptr": f"*{cd}",
                 "k_scale_ptr": "*fp32" if quant else f"*{cd}", "v_scale_ptr": "*fp32" if quant else f"*{cd}",
                 "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "query_start_ptr": "*i32",
-                "out_ptr": "*fp32" if splits > 1 else f"*{qd}", "lse_ptr": "*fp32" if splits > 1 else f"*{qd}"}
+                "out_ptr": "*fp32" if splits > 1 else f"*{qd}", "lse_ptr": "*fp32" if splits > 1 else f"*{qd}",
+                "inv_freq_ptr": "*fp32"}
         consts = dict(QPK=qpk, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=block_m, BLOCK_Q=block_m // qpk,
                       BLOCK_N=32 if d <= 128 else 16, NUM_SPLITS=splits, KV_QUANT=quant,
                       SCALE_PER_TOKEN=per_token, USE_WINDOW=window, USE_SOFTCAP=softcap)
@@ -157,6 +159,8 @@ def _packed_variants() -> list[KernelVariant]:
         ("int2 kv prefill window d128 gqa4", "bf16", "bf16", 2, 128, 4, False, 1, 64, True, False, True, True),
         ("int4 kv/block 8 decode d128 gqa4", "bf16", "bf16", 4, 128, 4, True, 1, 8, False, False, True, True),
         ("int4 kv prefill softcap d256 mqa", "fp16", "fp16", 4, 256, 8, False, 1, 64, True, True, True, False),
+        ("int2 kv decode d64 gqa3", "bf16", "bf16", 2, 64, 3, True, 1, 64, False, False, True, True),
+        ("int2 kv/block 8 decode split d128 gqa4", "bf16", "bf16", 2, 128, 4, True, 4, 8, False, False, True, False),
     ]
     for name, qd, rd, bits, d, qpk, decode, splits, block_size, window, softcap, fresh, quick in cases:
         block_m = max(16, 1 << (qpk - 1).bit_length()) if decode else max(64, 1 << (qpk - 1).bit_length())
@@ -164,11 +168,12 @@ def _packed_variants() -> list[KernelVariant]:
                 "k_scale_ptr": "*fp16", "k_min_ptr": "*fp16",
                 "v_scale_ptr": "*fp16", "v_min_ptr": "*fp16", "k_residual_ptr": f"*{rd}", "v_residual_ptr": f"*{rd}",
                 "slot_of_ptr": "*i64", "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "query_start_ptr": "*i32",
-                "out_ptr": "*fp32" if splits > 1 else f"*{qd}", "lse_ptr": "*fp32" if splits > 1 else f"*{qd}"}
+                "out_ptr": "*fp32" if splits > 1 else f"*{qd}", "lse_ptr": "*fp32" if splits > 1 else f"*{qd}",
+                "inv_freq_ptr": "*fp32"}
         block_n, in_block = key_tile(block_size, d)
         consts = dict(BITS=bits, QPK=qpk, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=block_m, BLOCK_Q=block_m // qpk,
                       BLOCK_N=block_n, NUM_SPLITS=splits, TILE_IN_BLOCK=in_block, USE_WINDOW=window,
-                      USE_SOFTCAP=softcap, FRESH=fresh)
+                      USE_SOFTCAP=softcap, FRESH=fresh, ROPE=bits in KEYS_BEFORE_ROPE_BITS)
         out.append(KernelVariant(name, "packed_paged_attention_kernel", attn_mod, ptrs, consts, quick,
                                  num_warps=attention_num_warps(block_m, d)))
     return out

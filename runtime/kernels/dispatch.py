@@ -13,6 +13,7 @@ import torch
 
 from foundation.errors import KvslimError
 from foundation.schemes import QuantScheme
+from runtime.attention.key_rope import KeyRope
 from runtime.cache.packed_layer import PackedLayerCache
 from runtime.kernels import dequant_matmul as dm
 from runtime.kernels import kv_store as kvs
@@ -145,11 +146,13 @@ def packed_paged_attention(
     max_query_len: int | None = None,
     max_context_len: int | None = None,
     sinks: int = 0,
+    key_rope: KeyRope | None = None,
 ) -> torch.Tensor:
     """Attention of the step's tokens over a packed int4/int2 layer, their own new rows ``k``, ``v``
-    read exact (see ``packed_paged_attention``)."""
+    read exact, cached keys rotated by ``key_rope`` when the layer stores them before RoPE (see
+    ``packed_paged_attention``)."""
     args = (q, k, v, cache, block_tables, context_lens, query_start_loc, scale, window, softcap)
     if _on_cuda(q):
         return ppa.packed_paged_attention(*args, max_query_len=max_query_len, max_context_len=max_context_len,
-                                          sinks=sinks)
-    return ppa.reference_packed_paged_attention(*args, sinks=sinks)
+                                          sinks=sinks, key_rope=key_rope)
+    return ppa.reference_packed_paged_attention(*args, sinks=sinks, key_rope=key_rope)

@@ -7,7 +7,10 @@ are ``paged_attention``'s. Only the reading of a K/V tile differs, as the torch 
 q_len``) comes exact from the step's own ``k``/``v``; an earlier one from its block's residual
 rows when the block is open (``slot_of[block] >= 0``), else from its packed codes, unpacked and
 dequantized in registers as ``minimum + code * scale`` (keys with the block's per-channel
-parameters, values with their per-token ones), in fp32.
+parameters, values with their per-token ones), in fp32. A layer that stores keys before RoPE
+(``ROPE``; int2) has each cached key rotated at its position after dequantization, in fp32: the
+tile's channels and their rotate-half partners (channel ``(d + D/2) % D``, the same bit offset of
+byte ``(p + D/2/per) % (D/per)``) are both dequantized, and ``k cos +- k_partner sin`` taken.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import triton
 import triton.language as tl
 
 from foundation.errors import KvslimError
+from runtime.attention.key_rope import KeyRope
 from runtime.cache.packed_layer import PackedLayerCache
 from runtime.kernels.packed_kv_store import check_packed_layer
 from runtime.kernels.paged_attention import (
@@ -54,18 +58,53 @@ def _tile_rows(codes_ptr, residual_ptr, code_rows, res_rows, offs_p, offs_d, clo
 
 
 @triton.jit
+def _closed_keys(k_codes_ptr, k_scale_ptr, k_min_ptr, code_base, par_base, offs_p, offs_d, cached, p_ok, d_ok,
+                 BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """fp32 keys ``[BLOCK_N, BLOCK_D]`` of a tile inside one closed block, channels ``offs_d``
+    (their bytes ``offs_p``), from the block's codes and per-channel parameters."""
+    codes = tl.load(k_codes_ptr + code_base[:, None] + offs_p[None, :], mask=cached[:, None] & p_ok[None, :], other=0)
+    return (_unpack(codes, BITS, BLOCK_N, BLOCK_D)
+            * tl.load(k_scale_ptr + par_base + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+            + tl.load(k_min_ptr + par_base + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :])
+
+
+@triton.jit
+def _any_block_keys(k_codes_ptr, k_residual_ptr, k_scale_ptr, k_min_ptr, code_rows, res_rows, par_rows, offs_p,
+                    offs_d, closed, opened, p_ok, d_ok, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """fp32 keys ``[BLOCK_N, BLOCK_D]``, channels ``offs_d``, of rows each looked up in its own
+    block: residual rows where open, dequantized codes where closed."""
+    kc, kr = _tile_rows(k_codes_ptr, k_residual_ptr, code_rows, res_rows, offs_p, offs_d, closed, opened,
+                        p_ok, d_ok, BITS, BLOCK_N, BLOCK_D)
+    k_par = par_rows[:, None] + offs_d[None, :]
+    k_mask = closed[:, None] & d_ok[None, :]
+    k = kc * tl.load(k_scale_ptr + k_par, mask=k_mask, other=0.0).to(tl.float32) \
+        + tl.load(k_min_ptr + k_par, mask=k_mask, other=0.0).to(tl.float32)
+    return tl.where(opened[:, None], kr, k)
+
+
+@triton.jit
+def _rotate_keys(k, k_partner, offs_j, offs_d, d_ok, inv_freq_ptr, rope_scaling, HALF: tl.constexpr):
+    """Keys at positions ``offs_j`` rotated (rotate-half, as ``key_rope.apply_rotary``) in fp32."""
+    inv = tl.load(inv_freq_ptr + offs_d % HALF, mask=d_ok, other=0.0)
+    angle = offs_j.to(tl.float32)[:, None] * inv[None, :]
+    sign = tl.where(offs_d < HALF, -1.0, 1.0)
+    return k * (tl.cos(angle) * rope_scaling) + k_partner * sign[None, :] * (tl.sin(angle) * rope_scaling)
+
+
+@triton.jit
 def packed_paged_attention_kernel(
     q_ptr, k_new_ptr, v_new_ptr, k_codes_ptr, v_codes_ptr, k_scale_ptr, k_min_ptr, v_scale_ptr, v_min_ptr,
     k_residual_ptr, v_residual_ptr, slot_of_ptr,
-    block_tables_ptr, context_lens_ptr, query_start_ptr, out_ptr, lse_ptr,
-    sm_scale, softcap, window, sinks, block_size,
+    block_tables_ptr, context_lens_ptr, query_start_ptr, out_ptr, lse_ptr, inv_freq_ptr,
+    sm_scale, softcap, window, sinks, block_size, rope_scaling,
     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_kpb, stride_kph, stride_vpb, stride_vps,
     stride_rb, stride_rs, stride_rh, stride_bt, stride_nt, stride_nh,
     stride_ot, stride_oh, stride_osplit, stride_lt, stride_lsplit,
     BITS: tl.constexpr, QPK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     TILE_IN_BLOCK: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, FRESH: tl.constexpr,
-    USE_SINKS: tl.constexpr = False,
+    USE_SINKS: tl.constexpr = False, ROPE: tl.constexpr = False,
 ):
     """Grid ``(S, cdiv(max_q_len, BLOCK_Q), KVH * NUM_SPLITS)``, as ``paged_attention_kernel``.
     ``TILE_IN_BLOCK`` (``block_size % BLOCK_N == 0``): key tiles start at multiples of
@@ -93,6 +132,9 @@ def packed_paged_attention_kernel(
     BLOCK_P: tl.constexpr = BLOCK_D // (8 // BITS)
     offs_p = tl.arange(0, BLOCK_P)
     p_ok = offs_p < HEAD_DIM // (8 // BITS)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    offs_dr = (offs_d + HALF) % HEAD_DIM  # rotate-half partners (ROPE)
+    offs_pr = (offs_p + HALF // (8 // BITS)) % (HEAD_DIM // (8 // BITS))
     first_pos = ctx - q_len
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -114,15 +156,23 @@ def packed_paged_attention_kernel(
                 res_rows = rslot * stride_rb + off * stride_rs + kvh * stride_rh
                 k = tl.load(k_residual_ptr + res_rows[:, None] + offs_d[None, :], mask=cached[:, None] & d_ok[None, :],
                             other=0.0).to(tl.float32)
+                if ROPE:
+                    kp = tl.load(k_residual_ptr + res_rows[:, None] + offs_dr[None, :],
+                                 mask=cached[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                    k = _rotate_keys(k, kp, offs_j, offs_d, d_ok, inv_freq_ptr, rope_scaling, HALF)
                 v = tl.load(v_residual_ptr + res_rows[:, None] + offs_d[None, :], mask=cached[:, None] & d_ok[None, :],
                             other=0.0).to(tl.float32)
             else:
-                code_at = (blk * stride_cb + off * stride_cs + kvh * stride_ch)[:, None] + offs_p[None, :]
+                code_base = blk * stride_cb + off * stride_cs + kvh * stride_ch
+                code_at = code_base[:, None] + offs_p[None, :]
                 c_mask = cached[:, None] & p_ok[None, :]
-                k_par = blk * stride_kpb + kvh * stride_kph + offs_d
-                k = (_unpack(tl.load(k_codes_ptr + code_at, mask=c_mask, other=0), BITS, BLOCK_N, BLOCK_D)
-                     * tl.load(k_scale_ptr + k_par, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-                     + tl.load(k_min_ptr + k_par, mask=d_ok, other=0.0).to(tl.float32)[None, :])
+                par_base = blk * stride_kpb + kvh * stride_kph
+                k = _closed_keys(k_codes_ptr, k_scale_ptr, k_min_ptr, code_base, par_base, offs_p, offs_d, cached,
+                                 p_ok, d_ok, BITS, BLOCK_N, BLOCK_D)
+                if ROPE:
+                    kp = _closed_keys(k_codes_ptr, k_scale_ptr, k_min_ptr, code_base, par_base, offs_pr, offs_dr,
+                                      cached, p_ok, d_ok, BITS, BLOCK_N, BLOCK_D)
+                    k = _rotate_keys(k, kp, offs_j, offs_d, d_ok, inv_freq_ptr, rope_scaling, HALF)
                 v_par = blk * stride_vpb + off * stride_vps + kvh
                 v = (_unpack(tl.load(v_codes_ptr + code_at, mask=c_mask, other=0), BITS, BLOCK_N, BLOCK_D)
                      * tl.load(v_scale_ptr + v_par, mask=cached, other=0.0).to(tl.float32)[:, None]
@@ -134,18 +184,18 @@ def packed_paged_attention_kernel(
             closed = cached & (rslot < 0)
             code_rows = blk * stride_cb + off * stride_cs + kvh * stride_ch
             res_rows = rslot * stride_rb + off * stride_rs + kvh * stride_rh
-            kc, kr = _tile_rows(k_codes_ptr, k_residual_ptr, code_rows, res_rows, offs_p, offs_d, closed, opened,
-                                p_ok, d_ok, BITS, BLOCK_N, BLOCK_D)
+            par_rows = blk * stride_kpb + kvh * stride_kph
+            k = _any_block_keys(k_codes_ptr, k_residual_ptr, k_scale_ptr, k_min_ptr, code_rows, res_rows, par_rows,
+                                offs_p, offs_d, closed, opened, p_ok, d_ok, BITS, BLOCK_N, BLOCK_D)
+            if ROPE:
+                kp = _any_block_keys(k_codes_ptr, k_residual_ptr, k_scale_ptr, k_min_ptr, code_rows, res_rows,
+                                     par_rows, offs_pr, offs_dr, closed, opened, p_ok, d_ok, BITS, BLOCK_N, BLOCK_D)
+                k = _rotate_keys(k, kp, offs_j, offs_d, d_ok, inv_freq_ptr, rope_scaling, HALF)
             vc, vr = _tile_rows(v_codes_ptr, v_residual_ptr, code_rows, res_rows, offs_p, offs_d, closed, opened,
                                 p_ok, d_ok, BITS, BLOCK_N, BLOCK_D)
-            k_par = (blk * stride_kpb + kvh * stride_kph)[:, None] + offs_d[None, :]
-            k_mask = closed[:, None] & d_ok[None, :]
-            k = kc * tl.load(k_scale_ptr + k_par, mask=k_mask, other=0.0).to(tl.float32) \
-                + tl.load(k_min_ptr + k_par, mask=k_mask, other=0.0).to(tl.float32)
             v_par = blk * stride_vpb + off * stride_vps + kvh
             v = vc * tl.load(v_scale_ptr + v_par, mask=closed, other=0.0).to(tl.float32)[:, None] \
                 + tl.load(v_min_ptr + v_par, mask=closed, other=0.0).to(tl.float32)[:, None]
-            k = tl.where(opened[:, None], kr, k)
             v = tl.where(opened[:, None], vr, v)
         # The tile in q's dtype, as the dots read it, so that a fresh row is a masked load over it.
         k = k.to(q_ptr.dtype.element_ty)
@@ -172,9 +222,14 @@ def key_tile(block_size: int, head_dim: int) -> tuple[int, bool]:
     return 16, False
 
 
-def _check_inputs(q, k, v, cache: PackedLayerCache, block_tables, context_lens, query_start_loc) -> None:
+def _check_inputs(q, k, v, cache: PackedLayerCache, block_tables, context_lens, query_start_loc,
+                  key_rope: KeyRope | None) -> None:
     check_packed_layer(cache)
     _, _, kvh, d = cache.k_residual.shape
+    if key_rope is not None and (len(key_rope.inv_freq) * 2 != d or d % (2 * (8 // cache.bits))):
+        raise KvslimError(f"a key rope of {len(key_rope.inv_freq)} frequencies cannot rotate {cache.bits}-bit "
+                          f"keys of head_dim {d} (needs head_dim / 2 frequencies, head_dim a multiple of "
+                          f"{2 * (8 // cache.bits)})")
     check_attention_inputs(q, d, kvh, block_tables, context_lens, query_start_loc)
     if (k is None) != (v is None):
         raise KvslimError("the step's k and v must be given together")
@@ -201,12 +256,14 @@ def packed_paged_attention(
     max_context_len: int | None = None,
     num_splits: int | None = None,
     sinks: int = 0,
+    key_rope: KeyRope | None = None,
 ) -> torch.Tensor:
     """Causal attention of the step's tokens over their paged context in a packed layer (the
     batch metadata and its meaning are ``paged_attention``'s). ``k``, ``v`` ``[T, KVH, D]`` in q's
-    dtype: the step's new rows, already stored, read exact; None (a layer reading another's KV):
-    every key is read from the cache."""
-    _check_inputs(q, k, v, cache, block_tables, context_lens, query_start_loc)
+    dtype: the step's new rows (rotated), already stored, read exact; None (a layer reading
+    another's KV): every key is read from the cache. ``key_rope``: the cache holds keys before
+    RoPE, rotated by it at each key's position after dequantization."""
+    _check_inputs(q, k, v, cache, block_tables, context_lens, query_start_loc, key_rope)
     T, H, D = q.shape
     S = context_lens.shape[0]
     if T == 0 or S == 0:
@@ -220,10 +277,12 @@ def packed_paged_attention(
     plan = plan_launch(q, kvh, S, max_query_len, max_context_len, num_splits)
     target = plan.target
     block_n, in_block = key_tile(res.shape[1], D)
+    inv_freq = key_rope.inv_freq_on(q.device) if key_rope is not None else cache.slot_of
     packed_paged_attention_kernel[plan.grid](
         q, k_new, v_new, codes, cache.v_codes, ks, cache.k_min, vs, cache.v_min, res, cache.v_residual, cache.slot_of,
-        block_tables, context_lens, query_start_loc, target, plan.lse,
+        block_tables, context_lens, query_start_loc, target, plan.lse, inv_freq,
         float(scale), float(softcap or 1.0), int(window or 0), int(sinks), res.shape[1],
+        float(key_rope.scaling) if key_rope is not None else 1.0,
         q.stride(0), q.stride(1), codes.stride(0), codes.stride(1), codes.stride(2),
         ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
         res.stride(0), res.stride(1), res.stride(2), block_tables.stride(0),
@@ -232,7 +291,7 @@ def packed_paged_attention(
         BITS=cache.bits, QPK=H // kvh, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
         BLOCK_M=plan.block_m, BLOCK_Q=plan.block_q, BLOCK_N=block_n, NUM_SPLITS=plan.splits,
         TILE_IN_BLOCK=in_block, USE_WINDOW=window is not None, USE_SOFTCAP=softcap is not None,
-        FRESH=fresh, USE_SINKS=window is not None and sinks > 0, num_warps=attention_num_warps(plan.block_m, D),
+        FRESH=fresh, USE_SINKS=window is not None and sinks > 0, ROPE=key_rope is not None, num_warps=attention_num_warps(plan.block_m, D),
     )
     return plan.result()
 
@@ -250,17 +309,20 @@ def reference_packed_paged_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: int = 0,
+    key_rope: KeyRope | None = None,
 ) -> torch.Tensor:
     """Plain-torch oracle (and CPU path) for ``packed_paged_attention``, the torch path's read:
-    per sequence, ``PackedLayerCache.gather`` in fp32, the step's own rows overwritten with
-    ``k``/``v``, then ``reference_attention``."""
-    _check_inputs(q, k, v, cache, block_tables, context_lens, query_start_loc)
+    per sequence, ``PackedLayerCache.gather`` in fp32 (keys rotated by ``key_rope`` at their
+    positions), the step's own rows overwritten with ``k``/``v``, then ``reference_attention``."""
+    _check_inputs(q, k, v, cache, block_tables, context_lens, query_start_loc, key_rope)
     bs = cache.block_size
     starts = query_start_loc.tolist()
 
     def gather(s: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
         kk, vv = cache.gather(block_tables[s, : -(-ctx // bs)].long(), torch.float32)
         kk, vv = kk[:ctx], vv[:ctx]
+        if key_rope is not None:
+            kk = key_rope.rotate(kk, torch.arange(ctx, device=kk.device))
         if k is not None:
             rows = slice(starts[s], starts[s + 1])
             first = ctx - (rows.stop - rows.start)

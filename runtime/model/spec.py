@@ -17,6 +17,7 @@ from foundation.errors import CheckpointError, KvslimError
 from foundation.quant_spec import QuantSpec
 from foundation.tensor_shapes import ModelShapes
 from runtime.attention.backend import AttentionParams
+from runtime.attention.key_rope import KeyRope
 
 # Activations the MLP supports (HF names).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -88,7 +89,8 @@ class ModelSpec(ModelShapes):
 
     def attention_params(self, layer: int) -> AttentionParams:
         la = self.attention.layers[layer]
-        return AttentionParams(self.attn_scale, la.window, la.kv_source, self.attn_logit_softcap, la.sinks)
+        rope = KeyRope.of(self.rope[layer], self.head_dim, self.max_position_embeddings)
+        return AttentionParams(self.attn_scale, la.window, la.kv_source, self.attn_logit_softcap, la.sinks, rope)
 
     @classmethod
     def from_config(cls, config: dict, generation_config: dict | None = None) -> "ModelSpec":

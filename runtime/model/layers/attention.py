@@ -1,5 +1,6 @@
-"""Self-attention over a flattened batch: projections, q/k norms and rotary here; the attention
-itself (cache write, causal/window masking, GQA) in the ``AttentionBackend``."""
+"""Self-attention over a flattened batch: projections, q/k norms and the queries' rotary here; the
+attention itself (keys' rotary, cache write, causal/window masking, GQA) in the ``AttentionBackend``,
+since the cache layout decides when a key is rotated."""
 from __future__ import annotations
 
 import torch
@@ -46,7 +47,6 @@ class Attention(nn.Module):
             k = proj[1].view(t, self.num_kv_heads, self.head_dim)
             if self.k_norm is not None:
                 k = self.k_norm(k)
-            k = apply_rotary(k, cos, sin)
             v = proj[2].view(t, self.num_kv_heads, self.head_dim)
         out = backend.attend(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))

@@ -6,6 +6,7 @@ import torch
 
 from foundation.attention_layout import AttentionLayout
 from runtime.attention.backend import AttentionParams, reference_attention
+from runtime.attention.key_rope import KeyRope
 from runtime.attention.paged import PagedAttentionBackend, PagedBatch
 from runtime.cache.kv_cache import KVCache, KVCacheSpec
 from runtime.cache.kv_quant import (
@@ -14,7 +15,9 @@ from runtime.cache.kv_quant import (
     quantize_per_token_head,
     quantize_static,
 )
+from runtime.cache.low_bit_kv import dequantize_keys, dequantize_values, quantize_key_blocks, quantize_value_rows
 from runtime.engine.block_manager import BlockManager, PrefixHit
+from runtime.model.spec import RopeSpec
 
 WINDOW = 5
 CONFIG = dict(
@@ -123,3 +126,34 @@ def test_decode_plan_finds_each_new_key(window, sinks):
     for s, ctx in enumerate(ctxs):
         at = int(plan.decode_new_key[s])
         assert plan.decode_blocks[s, at // bs] == table[s, (ctx - 1) // bs] and at % bs == (ctx - 1) % bs, (ctx, at)
+
+
+def test_int2_keys_are_quantized_before_rope_and_rotated_on_read():
+    """Two closed blocks hold int2 codes of the keys before RoPE: a decoded token reads them
+    dequantized, then rotated at their positions; its own key exact and rotated."""
+    layout = AttentionLayout.from_config({**CONFIG, "num_hidden_layers": 1, "layer_types": ["full_attention"],
+                                          "kv_source_layers": [0]})
+    bs, KVH, D = 4, 2, 8
+    cache = KVCache(KVCacheSpec.from_layout(layout, "int2", block_size=bs), (4,), residual_blocks=2)
+    assert cache.keys_before_rope(0)
+    rope = KeyRope.of(RopeSpec("default", 100.0), D, 512)
+    backend = PagedAttentionBackend(cache, [AttentionParams(0.35, None, 0, None, 0, rope)])
+    g = torch.Generator().manual_seed(0)
+    k, v, q = torch.randn(9, KVH, D, generator=g), torch.randn(9, KVH, D, generator=g), torch.randn(9, 4, D, generator=g)
+    table = [[[0, 1, 2]]]
+    backend.set_batch(PagedBatch.build(bs, [0], [8], table))
+    backend.attend(0, q[:8], k[:8], v[:8])
+    backend.set_batch(PagedBatch.build(bs, [8], [1], table))
+    out = backend.attend(0, q[8:], k[8:], v[8:])
+
+    keys = dequantize_keys(*quantize_key_blocks(k[:8].view(2, bs, KVH, D), 2), 2, torch.float32).reshape(8, KVH, D)
+    values = dequantize_values(*quantize_value_rows(v[:8], 2), 2, torch.float32)
+    positions = torch.arange(9)
+    kk = rope.rotate(torch.cat([keys, k[8:]]), positions)
+    ref = reference_attention(q[8:], kk, torch.cat([values, v[8:]]), positions[8:], positions, 0.35)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    after_rope = dequantize_keys(*quantize_key_blocks(rope.rotate(k[:8], positions[:8]).view(2, bs, KVH, D), 2), 2,
+                                 torch.float32).reshape(8, KVH, D)
+    old = reference_attention(q[8:], torch.cat([after_rope, kk[8:]]), torch.cat([values, v[8:]]), positions[8:],
+                              positions, 0.35)
+    assert not torch.allclose(out, old, atol=1e-3)  # not the layout that quantizes rotated keys

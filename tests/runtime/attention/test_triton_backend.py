@@ -7,10 +7,12 @@ import torch
 
 from foundation.attention_layout import AttentionLayout
 from runtime.attention.backend import AttentionParams
+from runtime.attention.key_rope import KeyRope
 from runtime.attention.paged import PagedAttentionBackend, PagedBatch
 from runtime.attention.triton_backend import KernelAttentionBackend
 from runtime.cache.kv_cache import KVCache, KVCacheSpec
 from runtime.engine.block_manager import BlockManager, PrefixHit
+from runtime.model.spec import RopeSpec
 
 WINDOW = 5
 CONFIG = dict(
@@ -25,7 +27,9 @@ def make_backends(kv_dtype, static, softcap, use_triton, device, sinks=0):
     layout = AttentionLayout.from_config({**CONFIG, "num_sink_tokens": sinks})
     spec = KVCacheSpec.from_layout(layout, kv_dtype, block_size=4, static_scales=static)
     scales = {i: (0.05, 0.04) for i in layout.cache_owners()} if static else None
-    params = [AttentionParams(0.3, l.window, l.kv_source, softcap, l.sinks) for l in layout.layers]
+    # Keys arrive before rotary: both backends rotate them (int2 on read, the rest before the store).
+    rope = KeyRope.of(RopeSpec("default", 100.0), 16, 512)
+    params = [AttentionParams(0.3, l.window, l.kv_source, softcap, l.sinks, rope) for l in layout.layers]
     res = 8  # int4/int2 residual blocks: 3 sequences, at most 2 open blocks each while a chunk is written
     ours = KernelAttentionBackend(KVCache(spec, (32, 32), device=device, layer_scales=scales, residual_blocks=res),
                                   params, use_triton)
@@ -35,7 +39,7 @@ def make_backends(kv_dtype, static, softcap, use_triton, device, sinks=0):
 
 @pytest.mark.parametrize("kv_dtype,static,softcap,sinks", [
     ("fp32", False, 5.0, 0), ("int8", False, None, 0), ("int8", True, None, 0), ("int4", False, None, 0),
-    ("int2", False, 5.0, 0), ("fp32", False, None, 2), ("int4", False, None, 5)])
+    ("int2", False, 5.0, 0), ("fp32", False, None, 2), ("int4", False, None, 5), ("int2", False, None, 5)])
 def test_kernel_backend_matches_the_engine_backend(device, kv_dtype, static, softcap, sinks):
     torch.manual_seed(0)
     rng = random.Random(0)

@@ -6,10 +6,12 @@ import torch
 
 from foundation.errors import KvslimError
 from runtime.attention.backend import reference_attention
-from runtime.cache.low_bit_kv import quantize_key_blocks
+from runtime.attention.key_rope import KeyRope
+from runtime.cache.low_bit_kv import KEYS_BEFORE_ROPE_BITS, quantize_key_blocks
 from runtime.kernels import dispatch
 from runtime.kernels import packed_kv_store as pks
 from runtime.kernels import packed_paged_attention as ppa
+from runtime.model.spec import RopeSpec
 from tests.runtime.conftest import requires_gpu
 from tests.runtime.kernels.packed_setup import make_packed_batch, packed_layer
 
@@ -145,6 +147,31 @@ def test_packed_sinks_match_the_torch_path(device, bits, H, KVH, D, block_size, 
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
 
 
+ROPE_CASES = [  # (heads, kv heads, head dim, block size, window, sinks, splits)
+    (6, 2, 16, 4, None, 0, None),  # keys looked up one by one
+    (4, 1, 16, 32, 20, 6, 3),  # whole-block tiles, window, sinks, split context
+]
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("H,KVH,D,block_size,window,sinks,splits", ROPE_CASES)
+def test_keys_stored_before_rope_are_rotated_as_the_torch_path(device, bits, H, KVH, D, block_size, window, sinks,
+                                                                splits):
+    """The kernel dequantizes each key and its rotate-half partner channel and rotates them at the
+    key's position; the reference rotates the gathered keys with ``KeyRope.rotate``."""
+    scale_up = block_size // 4
+    ctx, qlen = [9 * scale_up, 1 + 8 * scale_up, 13 * scale_up, 6 * scale_up + 1], [9 * scale_up, 1, 3 * scale_up, 1]
+    b = make_packed_batch(ctx, qlen, H, KVH, D, bits, block_size, device=device, store=pks.store_packed_kv)
+    rope = KeyRope.of(RopeSpec("default", 100.0), D, 4096)  # base 100: every channel pair turns within the context
+    kw = dict(scale=D ** -0.5, window=window, sinks=sinks, key_rope=rope)
+    out = ppa.packed_paged_attention(*b.args(), num_splits=splits, **kw)
+    ref = ppa.reference_packed_paged_attention(*b.args(), **kw)
+    tol = 1e-2 if device.type == "cuda" else 1e-5  # tf32 dots on GPU
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    unrotated = ppa.reference_packed_paged_attention(*b.args(), **{**kw, "key_rope": None})
+    assert not torch.allclose(unrotated, ref, atol=1e-3)  # the rotation is in effect
+
+
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_open_block_is_read_exactly_from_the_residual(device, block_size):
     """A context shorter than a block is all residual: plain attention over the exact K/V."""
@@ -204,6 +231,8 @@ def test_bad_inputs_raise_one_line_errors():
         ppa.reference_packed_paged_attention(b.q, b.k_new.half(), *b.args()[2:], scale=1.0)
     with pytest.raises(KvslimError, match="given together"):
         ppa.reference_packed_paged_attention(b.q, None, *b.args()[2:], scale=1.0)
+    with pytest.raises(KvslimError, match="cannot rotate"):
+        ppa.reference_packed_paged_attention(*b.args(), scale=1.0, key_rope=KeyRope((1.0,) * 4))
     b.cache.k_scale = b.cache.k_scale.float()
     with pytest.raises(KvslimError, match="k_scale must be torch.float16"):
         ppa.reference_packed_paged_attention(*b.args(), scale=1.0)
@@ -222,6 +251,8 @@ def test_gpu_packed_kv_real_sizes(bits, H, KVH, D, block_size, window):
     for name in TENSORS:
         assert torch.equal(getattr(b.cache, name).cpu(), getattr(theirs.cache, name)), name
     args = (b.q.bfloat16(), b.k_new.bfloat16(), b.v_new.bfloat16(), *b.args()[3:])
-    out = ppa.packed_paged_attention(*args, scale=D ** -0.5, window=window).float()
-    ref = ppa.reference_packed_paged_attention(*args, scale=D ** -0.5, window=window).float()
+    rope = KeyRope.of(RopeSpec("default", 10000.0), D, 4096) if bits in KEYS_BEFORE_ROPE_BITS else None
+    kw = dict(scale=D ** -0.5, window=window, key_rope=rope)
+    out = ppa.packed_paged_attention(*args, **kw).float()
+    ref = ppa.reference_packed_paged_attention(*args, **kw).float()
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)

@@ -1,0 +1,105 @@
+"""Rotary position embeddings (rotate-half, as transformers applies them), and one layer's key
+rotation as the attention backend applies it.
+
+The decoder rotates queries; keys reach the backend *before* rotary, with their layer's
+``KeyRope``, because the cache layout decides when a key is rotated: most layouts store keys
+rotated (the backend rotates them on write), while int2 KV stores them before RoPE and rotates
+each key read after dequantizing it (KVQuant: a key channel keeps its scale across a block only
+before RoPE mixes channel pairs at every position's own angle).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import torch
+
+
+def rope_frequencies(rope: Any, head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """``(inv_freq [head_dim / 2] fp32, attention_scaling)`` for one rope (a ``RopeSpec``).
+
+    Scaled rope types (linear, llama3, yarn, longrope) use transformers' own initialisers, so the
+    frequencies are the library's by construction.
+    """
+    if rope.rope_type == "default":
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (rope.theta**exponent), 1.0
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = LlamaConfig(
+        hidden_size=head_dim, num_attention_heads=1, head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings, rope_parameters=rope.as_dict(),
+    )
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope.rope_type](cfg, None)
+    return inv_freq.float(), float(scaling)
+
+
+def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions ``[...]`` -> ``(cos, sin)`` each ``[..., head_dim]`` in ``dtype`` (angles in fp32)."""
+    freqs = positions.float()[..., None] * inv_freq.to(positions.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x ``[..., heads, head_dim]``; cos/sin broadcastable to it (``[..., 1, head_dim]``)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass(frozen=True)
+class KeyRope:
+    """One layer's key rotation: its rope's frequencies and attention scaling."""
+
+    inv_freq: tuple[float, ...]  # [head_dim / 2]
+    scaling: float = 1.0
+
+    @classmethod
+    def of(cls, rope: Any, head_dim: int, max_position_embeddings: int) -> "KeyRope":
+        inv_freq, scaling = rope_frequencies(rope, head_dim, max_position_embeddings)
+        return cls(tuple(inv_freq.tolist()), scaling)
+
+    @cached_property
+    def inv_freq_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.inv_freq, dtype=torch.float32)
+
+    @cached_property
+    def _inv_freq_by_device(self) -> dict[torch.device, torch.Tensor]:
+        return {}
+
+    def inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        """``inv_freq`` as an fp32 tensor on ``device`` (copied there once)."""
+        device = torch.device(device)
+        if device not in self._inv_freq_by_device:
+            self._inv_freq_by_device[device] = self.inv_freq_tensor.to(device)
+        return self._inv_freq_by_device[device]
+
+    def rotate(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Cached keys ``[..., kv_heads, head_dim]`` at ``positions [...]`` rotated in fp32, returned in
+        k's dtype (the read of a layout that stores keys before RoPE)."""
+        cos, sin = rotary_cos_sin(positions, self.inv_freq_tensor, self.scaling, torch.float32)
+        return apply_rotary(k.float(), cos.unsqueeze(-2), sin.unsqueeze(-2)).to(k.dtype)
+
+
+
+class StepKeyRotary:
+    """Rotates one step's new keys exactly as the decoder rotates its queries (cos/sin rounded to
+    the keys' dtype first), computing cos/sin once per step for each rope."""
+
+    def __init__(self, positions: torch.Tensor):
+        self.positions = positions  # [T]
+        self._cos_sin: dict[tuple[KeyRope, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, rope: KeyRope | None, k: torch.Tensor) -> torch.Tensor:
+        """New keys ``[T, kv_heads, head_dim]`` before rotary -> rotated (unchanged without a rope)."""
+        if rope is None:
+            return k
+        key = (rope, k.dtype)
+        if key not in self._cos_sin:
+            cos, sin = rotary_cos_sin(self.positions, rope.inv_freq_tensor, rope.scaling, k.dtype)
+            self._cos_sin[key] = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        return apply_rotary(k, *self._cos_sin[key])
