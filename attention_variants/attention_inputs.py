@@ -53,6 +53,55 @@ def _far_mass(attn: torch.Tensor, window: int) -> float:
     return float((probs * far).sum(-1).mean())
 
 
+class FarMassProbe:
+    """Forward hooks on every layer's attention that add, per window, the mean attention mass
+    beyond it (``_far_mass``) of each sequence run, then drop the probabilities: one layer's
+    ``[heads, T, T]`` at a time, so long calibration windows fit. The model must run eager
+    attention (its attention modules then return the probabilities)."""
+
+    def __init__(self, model, windows: tuple[int, ...], num_seqs: int):
+        self.windows, self.num_seqs = windows, num_seqs
+        layers = model.model.layers
+        self.mass = {w: [0.0] * len(layers) for w in windows}
+        self._hooks = [layer.self_attn.register_forward_hook(self._hook(i))
+                       for i, layer in enumerate(layers)] if windows else []
+
+    def _hook(self, i: int):
+        def hook(_module, _inputs, out):
+            attn = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+            if attn is None:
+                raise KvslimError("measuring attention mass needs eager attention (no probabilities returned)")
+            for w in self.windows:
+                self.mass[w][i] += _far_mass(attn.detach(), w) / self.num_seqs
+        return hook
+
+    def remove(self) -> dict[int, tuple[float, ...]]:
+        """Remove the hooks; the mass per window, per layer."""
+        for h in self._hooks:
+            h.remove()
+        return {w: tuple(m) for w, m in self.mass.items()}
+
+
+def _check_windows(ids: torch.Tensor, windows: tuple[int, ...]) -> None:
+    if windows and ids.shape[1] <= max(windows):
+        raise KvslimError(f"calibration sequences of {ids.shape[1]} tokens cannot measure attention beyond window "
+                          f"{max(windows)}")
+
+
+@torch.no_grad()
+def measure_far_mass(model, ids: torch.Tensor, windows: tuple[int, ...]) -> dict[int, tuple[float, ...]]:
+    """Per window, each layer's mean attention mass beyond it on ``ids`` ``[num_seqs, seq_len]``
+    (an eager-attention model; the sequences longer than every window)."""
+    _check_windows(ids, windows)
+    probe = FarMassProbe(model, windows, ids.shape[0])
+    try:
+        for row in ids:
+            model(input_ids=row.unsqueeze(0), use_cache=False)
+    finally:
+        mass = probe.remove()
+    return mass
+
+
 @torch.no_grad()
 def capture_attention_inputs(model, ids: torch.Tensor, text: str, window: int | None = None) -> AttentionInputs:
     """Run ``model`` over ``ids`` ``[num_seqs, seq_len]`` and keep every layer's attention input.
@@ -62,23 +111,21 @@ def capture_attention_inputs(model, ids: torch.Tensor, text: str, window: int | 
     """
     layers = model.model.layers
     captured: list[list[torch.Tensor]] = [[] for _ in layers]
-    mass = [0.0] * len(layers)
-    if window is not None and ids.shape[1] <= window:
-        raise KvslimError(f"calibration sequences of {ids.shape[1]} tokens cannot measure attention beyond window {window}")
+    windows = () if window is None else (window,)
+    _check_windows(ids, windows)
     hooks = [
         layer.input_layernorm.register_forward_hook(
             lambda _m, _inp, out, i=i: captured[i].append(out.detach().float())
         )
         for i, layer in enumerate(layers)
     ]
+    probe = FarMassProbe(model, windows, ids.shape[0])
     try:
         for row in ids:
-            out = model(input_ids=row.unsqueeze(0), use_cache=False, output_attentions=window is not None)
-            if window is not None:
-                for i, attn in enumerate(out.attentions):
-                    mass[i] += _far_mass(attn, window) / ids.shape[0]
+            model(input_ids=row.unsqueeze(0), use_cache=False)
     finally:
         for h in hooks:
             h.remove()
+        mass = probe.remove()
     inputs = tuple(torch.cat(c, dim=0) for c in captured)
-    return AttentionInputs(inputs, text, tuple(mass) if window is not None else None, window)
+    return AttentionInputs(inputs, text, mass[window] if window is not None else None, window)

@@ -22,6 +22,7 @@ from foundation.attention_layout import KV_SOURCE_KEY, SINKS_KEY, AttentionLayou
 from foundation.calibration import CalibrationSpec, calibration_ids
 from foundation.checkpoint import Checkpoint, ShardWriter, write_config
 from foundation.errors import KvslimError, UnsupportedArchitecture
+from foundation.kv_plan_file import PLAN_FILE
 from foundation.texts import DEFAULT_CALIB
 
 NATIVE_HYBRID = ("qwen2", "qwen3", "gemma3_text")  # transformers honours layer_types for these
@@ -57,7 +58,7 @@ class ConvertSpec:
             parts.append(f"KV shared in groups of {self.kv_share} ({self.kv_share_select} supplier, "
                          f"{'fitted' if self.merge == 'calib' else 'plain'} readers)")
         if self.sliding_window is not None:
-            which = f"layers {list(self.global_layers)}" if self.global_layers else f"1 in {self.global_every}"
+            which = f"layers {list(self.global_layers)}" if self.global_layers is not None else f"1 in {self.global_every}"
             parts.append(f"sliding window {self.sliding_window}, global {which} ({self.global_select})")
         if self.sinks:
             parts.append(f"{self.sinks} attention sinks")
@@ -128,7 +129,7 @@ def validate(spec: ConvertSpec, config: dict) -> AttentionLayout:
             raise KvslimError(f"--global-every {spec.global_every} must be between 1 and the model's {n_layers} layers")
         if spec.global_layers is not None:
             bad = [i for i in spec.global_layers if not 0 <= i < n_layers]
-            if bad or not spec.global_layers or len(set(spec.global_layers)) != len(spec.global_layers):
+            if bad or len(set(spec.global_layers)) != len(spec.global_layers):
                 raise KvslimError(f"--global-layers {list(spec.global_layers)}: need distinct layers in [0, {n_layers})")
     elif spec.global_every is not None or spec.global_layers is not None:
         raise KvslimError("--global-every / --global-layers need --sliding-window")
@@ -186,12 +187,14 @@ def rewrite(
 
 
 def convert(
-    model_dir: Path, spec: ConvertSpec, out: Path, force: bool = False, calib: AttentionInputs | None = None
+    model_dir: Path, spec: ConvertSpec, out: Path, force: bool = False, calib: AttentionInputs | None = None,
+    extra_files: dict[str, str] | None = None,
 ) -> ConvertResult:
     """Rewrite ``model_dir`` per ``spec`` into a new checkpoint at ``out`` (atomically).
 
     ``calib``: attention inputs captured earlier from the same model (benchmarks reuse one
     capture for several rewrites); captured here when the spec needs them and none is given.
+    ``extra_files``: name -> text written into the checkpoint with it (the KV plan).
     """
     ckpt = Checkpoint.open(model_dir)
     before = validate(spec, ckpt.config)
@@ -210,6 +213,9 @@ def convert(
             writer.add(name, tensor)
         writer.close()
         ckpt.copy_side_files(tmp)
+        (tmp / PLAN_FILE).unlink(missing_ok=True)  # a KV plan describes the layout it was made for
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
         if "auto_map" in config:
             write_modeling_file(tmp)
         write_config(tmp, config)

@@ -37,8 +37,8 @@ def hybrid_layer_types(
 ) -> list[str]:
     """``layer_types`` for the hybrid layout (inputs validated by the caller)."""
     if select == "calib":
-        count = len(named) if named else len(global_layers_every(num_layers, every))
+        count = len(named) if named is not None else len(global_layers_every(num_layers, every))
         globals_ = global_layers_by_far_mass(calib, count)
     else:
-        globals_ = list(named) if named else global_layers_every(num_layers, every)
+        globals_ = list(named) if named is not None else global_layers_every(num_layers, every)
     return [FULL if i in globals_ else SLIDING for i in range(num_layers)]

@@ -11,6 +11,7 @@ from compress.vllm_compat import KernelVerdict, kernel_verdicts
 from foundation.architecture import model_type_of
 from foundation.attention_layout import AttentionLayout
 from foundation.checkpoint import Checkpoint
+from foundation.kv_plan_file import read_plan
 from foundation.quant_spec import QuantSpec
 from foundation.schemes import QuantScheme
 from foundation.tensor_shapes import ModelShapes, check_checkpoint, no_quantization
@@ -46,6 +47,7 @@ class Inspection:
     linears: tuple[QuantizedLinear, ...]
     max_context: int
     unread: tuple[str, ...] = ()  # tensors the kvslim runtime does not read (e.g. a foreign input_scale)
+    kv_plan: dict | None = None  # plan.json (compress convert --kv-budget)
 
     @property
     def total_bytes(self) -> int:
@@ -93,7 +95,7 @@ def inspect_checkpoint(path: str | Path) -> Inspection:
     return Inspection(
         Path(path), arch, model_type, layout, bool(config.get("tie_word_embeddings", False)), scheme, fmt,
         ignore, dict(by_dtype), params, tuple(sorted(linears, key=lambda l: _sort_key(l.name))), max_ctx,
-        tuple(unread),
+        tuple(unread), read_plan(ckpt.path),
     )
 
 
@@ -143,6 +145,15 @@ def format_inspection(ins: Inspection, per_layer: bool = False) -> str:
         fp8s = ins.kv_bytes_per_token(ctx, 1, 4)
         lines.append(f"KV cache per token at context {ctx}: bf16 {bf16 / 1024:,.2f} KiB, fp8 {fp8 / 1024:,.2f} KiB "
                      f"(+ fp32 per-token-head scales: {fp8s / 1024:,.2f} KiB)")
+    plan = ins.kv_plan
+    if plan is not None:
+        dev = ""
+        if plan.get("dev_ppl") and plan.get("original_dev_ppl"):
+            dev = (f"; dev ppl {plan['dev_ppl']:.3f} vs {plan['original_dev_ppl']:.3f} "
+                   f"({100 * (plan['dev_ppl'] / plan['original_dev_ppl'] - 1):+.2f}%, served)")
+        lines.append(f"KV plan ({plan.get('choice', plan['kv_cache_dtype'])}): KV {plan.get('kv_bytes_per_token', 0):,.0f} "
+                     f"B/token @{plan.get('ctx')} = {plan.get('times_smaller', 0):.2f}x smaller than the bf16 original"
+                     f"{dev}; served with {plan['kv_cache_dtype']} KV by default")
     if ins.linears:
         lines.append(f"vLLM kernels ({len(ins.linears)} quantized Linears):")
         if per_layer:

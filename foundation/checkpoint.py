@@ -25,7 +25,7 @@ GENERATION_CONFIG = "generation_config.json"
 SIDE_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
     "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-    "generation_config.json",
+    "generation_config.json", "plan.json",  # plan.json: foundation.kv_plan_file
 )
 
 

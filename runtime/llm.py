@@ -18,6 +18,7 @@ from typing import Iterator, Sequence
 import torch
 
 from foundation.errors import KvslimError
+from foundation.kv_plan_file import planned_kv_dtype
 from foundation.model_source import resolve_model
 from runtime.cache.kv_cache import KVCacheSpec
 from runtime.engine.detokenizer import Detokenizer
@@ -74,7 +75,7 @@ class LLM:
     ``float32`` / ``bfloat16`` / ``float16`` activations (quantized weights stay packed).
     ``max_model_len``: longest sequence (prompt + output), at most the config's
     ``max_position_embeddings``. ``kv_cache_dtype``: the paged cache's KV dtype (``fp8_e4m3``,
-    ``int8``, ``int4``, ``int2``, ...; default: the activation dtype).
+    ``int8``, ``int4``, ``int2``, ...; default: the checkpoint's KV plan's, else the activation dtype).
     """
 
     def __init__(
@@ -101,7 +102,7 @@ class LLM:
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk = prefill_chunk
         self.tokenizer = self._load_tokenizer()
-        self.kv_cache_dtype = kv_cache_dtype or MODEL_KV_DTYPES[self.dtype]
+        self.kv_cache_dtype = kv_cache_dtype or planned_kv_dtype(self.path) or MODEL_KV_DTYPES[self.dtype]
         block = default_block_size(self.kv_cache_dtype)
         self.kv_spec = KVCacheSpec.from_layout(self.spec.attention, self.kv_cache_dtype, block)  # refuses a bad name
 

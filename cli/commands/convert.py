@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def _layer_list(text: str) -> tuple[int, ...]:
@@ -36,6 +37,13 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-select", choices=("fixed", "calib"), default="fixed",
                    help="calib: choose as many global layers by attention mass beyond W on calibration text")
     p.add_argument("--calib", metavar="TEXT_OR_FILE", help="calibration text: wikipedia:calib (default) or a file")
+    plan = p.add_mutually_exclusive_group()
+    plan.add_argument("--kv-budget", type=float, metavar="R",
+                      help="plan the KV layout and dtype: at most R of the original's KV bytes per token at --ctx "
+                           "(e.g. 0.16), the lowest dev perplexity served (writes plan.json)")
+    plan.add_argument("--max-ppl-increase", type=float, metavar="P",
+                      help="plan the fewest KV bytes whose dev perplexity stays within P of the original's (0.1 = +10%%)")
+    p.add_argument("--ctx", type=int, default=2048, help="context the plan's bytes and perplexity are measured at")
     p.add_argument("--eval-tokens", type=int, default=4096,
                    help="unhealed perplexity on this many wikipedia:eval tokens, before and after (0: skip)")
     p.add_argument("--heal-steps", type=int, metavar="S",
@@ -53,6 +61,9 @@ def run(args: argparse.Namespace) -> int:
     from foundation.model_source import resolve_model
 
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 16)))
+    if (args.kv_budget is not None or args.max_ppl_increase is not None) and _rewrites(args):
+        raise KvslimError(f"--kv-budget / --max-ppl-increase choose the window, sinks, full layers and KV dtype "
+                          f"themselves; drop {', '.join(_rewrites(args))}")
     spec = ConvertSpec(
         kv_heads=1 if args.mqa else args.kv_heads,
         kv_share=args.kv_share,
@@ -68,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
     if args.eval_tokens < 0:
         raise KvslimError(f"--eval-tokens must be 0 (skip) or positive, got {args.eval_tokens}")
     source = resolve_model(args.model)
+    if args.kv_budget is not None or args.max_ppl_increase is not None:
+        return _plan(args, source)
     if args.heal_steps is None:
         result = convert(source, spec, args.out, force=args.force)
         print_summary(source, result, spec, args.eval_tokens)
@@ -78,4 +91,30 @@ def run(args: argparse.Namespace) -> int:
           f"KL {healed.first_loss:.4f} -> {healed.last_loss:.4f}")
     if args.eval_tokens > 0:
         print(f"  healed: {eval_perplexity(healed.out, args.eval_tokens).describe()}")
+    return 0
+
+
+def _rewrites(args: argparse.Namespace) -> list[str]:
+    """The manual rewrite flags given (the planner takes none of them)."""
+    given = {"--kv-heads": args.kv_heads, "--mqa": args.mqa or None, "--kv-share": args.kv_share,
+             "--sliding-window": args.sliding_window, "--global-every": args.global_every,
+             "--global-layers": args.global_layers, "--sinks": args.sinks, "--heal-steps": args.heal_steps}
+    return [flag for flag, value in given.items() if value is not None]
+
+
+def _plan(args: argparse.Namespace, source) -> int:
+    from eval.kv_plan import plan_kv, write_planned_checkpoint
+    from foundation.atomic import check_output_dir
+
+    check_output_dir(Path(args.out), args.force)
+    plan = plan_kv(source, args.kv_budget, args.max_ppl_increase, args.ctx, args.calib,
+                   progress=lambda line: print(f"  {line}", flush=True))
+    out = write_planned_checkpoint(source, plan, args.out, force=args.force)
+    c = plan.chosen
+    print(f"plan: {c.choice.describe(plan.num_layers)}")
+    print(f"  KV {c.kv_bytes_per_token:,.0f} B/token @{plan.ctx} = {c.times_smaller:.2f}x smaller than the bf16 "
+          f"original ({plan.original_kv_bytes_per_token:,.0f})")
+    print(f"  dev perplexity {c.dev_ppl:.3f} vs {plan.original_dev_ppl:.3f} "
+          f"({100 * (c.dev_ppl / plan.original_dev_ppl - 1):+.2f}%, served, {plan.dev_text})")
+    print(f"  wrote {out} (plan.json: compress serve / eval --backend kvslim use {plan.kv_cache_dtype} KV by default)")
     return 0

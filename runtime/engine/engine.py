@@ -27,6 +27,7 @@ import torch
 from foundation.attention_layout import AttentionLayout
 from foundation.checkpoint import Checkpoint
 from foundation.errors import KvslimError
+from foundation.kv_plan_file import planned_kv_dtype
 from runtime.attention.paged import PagedBatch
 from runtime.attention.registry import DEFAULT_ATTENTION_BACKEND, make_attention_backend
 from runtime.cache.kv_cache import KVCache, KVCacheSpec
@@ -177,7 +178,9 @@ class Engine:
         decoder = load_model(ckpt, config.dtype)
         spec = decoder.spec
         scales = kv_layer_scales(ckpt, spec.attention.cache_owners())
-        return cls(decoder, config, scales, spec.quant.kv_dtype if spec.quant else None)
+        # the checkpoint's own KV choice: its kv_cache_scheme, else the KV plan's dtype (plan.json)
+        default = spec.quant.kv_dtype if spec.quant and spec.quant.kv_dtype else planned_kv_dtype(ckpt.path)
+        return cls(decoder, config, scales, default)
 
     # --- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams | None = None) -> int:

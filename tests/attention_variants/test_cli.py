@@ -64,6 +64,12 @@ BAD = {
     "gemma_share": ("gemma3_text", ["--kv-share", "2"], "not supported"),
     "nothing": ("llama", [], "nothing to convert"),
     "quantized": ("quantized", ["--mqa"], "convert first, then quantize"),
+    "plan_with_rewrites": ("llama", ["--kv-budget", "0.5", "--sliding-window", "16"], "drop --sliding-window"),
+    "plan_budget_zero": ("llama", ["--kv-budget", "0"], "in (0, 1]"),
+    "plan_both_ways": ("llama", ["--kv-budget", "0.5", "--max-ppl-increase", "0.1"], "not allowed with"),
+    "plan_negative_increase": ("llama", ["--max-ppl-increase", "-0.1"], "0 or more"),
+    "plan_past_context": ("llama", ["--kv-budget", "0.5", "--ctx", "100000"], "model's context"),
+    "plan_sliding_model": ("mistral", ["--kv-budget", "0.5", "--ctx", "64"], "full-attention checkpoint"),
 }
 
 
@@ -86,3 +92,16 @@ def test_refuses_existing_output(tiny_llama, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     assert main(["convert", str(tiny_llama), "--mqa", "--merge", "mean", "--eval-tokens", "0", "-o", str(out)]) == 2
+
+
+def test_plan_writes_plan_json_that_inspect_prints(tiny_with_tokenizer, tmp_path, capsys):
+    """At context 64 no window fits below it: the planner chooses the KV dtype alone."""
+    out = tmp_path / "planned"
+    assert main(["convert", str(tiny_with_tokenizer), "--kv-budget", "0.5", "--ctx", "64", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "x smaller than the bf16 original" in text and "dev perplexity" in text
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["kv_bytes_per_token"] <= 0.5 * plan["original_kv_bytes_per_token"]
+    assert plan["sliding_window"] is None and plan["kv_cache_dtype"] in ("int8", "int4", "int2")
+    assert main(["inspect", str(out)]) == 0
+    assert f"served with {plan['kv_cache_dtype']} KV by default" in capsys.readouterr().out

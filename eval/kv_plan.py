@@ -1,0 +1,279 @@
+"""`compress convert MODEL --kv-budget R` (or `--max-ppl-increase P`): the KV layout and dtype
+chosen by measurement, written with the checkpoint as ``plan.json``.
+
+The choices, at context N (default 2,048): the KV dtype (bf16, int8, int4, int2: one per cache,
+as the runtime holds it), whether layers slide (a window W of 1,024, 512 or 256 below N, with 4
+attention sinks), and which layers stay full. Layers are ranked by the global-layer calibration
+``compress convert --global-select calib`` uses (each layer's attention mass beyond W on
+calibration windows of N tokens, sink keys counted as lost), measured for every W in one eager
+pass. For each dtype and window, the budget allows a number of full layers (bytes per token
+counted by allocating the paged cache for one N-token sequence, as ``kv_report`` does); every such
+candidate is then *served* (the runtime's paged cache, really quantized and read back) on a dev
+slice of the calibration text that no calibration window covers. With a budget the lowest dev
+perplexity under it wins; with ``--max-ppl-increase`` the fewest bytes within P of the original's
+dev perplexity (candidates served in order of bytes until one passes). Per-head choices
+(streaming heads) are not planned.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from foundation.attention_layout import FULL, SINKS_KEY, SLIDING, AttentionLayout
+from foundation.calibration import CalibrationSpec, load_tokenizer, token_windows
+from foundation.checkpoint import Checkpoint
+from foundation.errors import KvslimError
+from foundation.kv_plan_file import PLAN_FILE
+from foundation.texts import DEFAULT_CALIB
+
+PLAN_DTYPES = ("bf16", "int8", "int4", "int2")
+PLAN_WINDOWS = (1024, 512, 256)
+PLAN_SINKS = 4
+CALIB_SEQS = 2  # calibration windows of N tokens for the layer ranking
+DEV_WINDOWS = 2  # dev slice: 2 x N tokens after the calibration windows (3 scored windows at stride N/2)
+
+
+@dataclass(frozen=True)
+class KvChoice:
+    """One point of the plan's space."""
+
+    kv_dtype: str
+    window: int | None = None  # None: every layer full
+    global_layers: tuple[int, ...] = ()  # with a window: the layers kept full
+    sinks: int = 0
+
+    def describe(self, num_layers: int) -> str:
+        if self.window is None:
+            return f"{self.kv_dtype} KV, full attention"
+        return (f"{self.kv_dtype} KV, sliding {self.window} + {self.sinks} sinks, "
+                f"{len(self.global_layers)} of {num_layers} layers full")
+
+    def config(self, base: dict) -> dict:
+        """``base`` with this choice's layout (no change without a window)."""
+        if self.window is None:
+            return dict(base)
+        n = int(base["num_hidden_layers"])
+        types = [FULL if i in self.global_layers else SLIDING for i in range(n)]
+        return {**base, "sliding_window": self.window, "layer_types": types, SINKS_KEY: self.sinks}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    choice: KvChoice
+    kv_bytes_per_token: float  # at the plan's context, by allocation
+    times_smaller: float  # the original's bf16 bytes per token / these
+    dev_ppl: float | None = None  # served, on the dev slice (None: not served)
+
+
+@dataclass(frozen=True)
+class KvPlan:
+    ctx: int
+    budget: float | None
+    max_ppl_increase: float | None
+    num_layers: int
+    original_kv_bytes_per_token: float  # bf16, the checkpoint's own layout
+    original_dev_ppl: float
+    chosen: Candidate
+    candidates: tuple[Candidate, ...]
+    calibration: str
+    dev_text: str
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        return self.chosen.choice.kv_dtype
+
+    def to_json(self) -> str:
+        """plan.json: the chosen KV dtype (what the runtime reads), the layout, the predicted bytes,
+        and every candidate with its measurement."""
+        c = self.chosen
+        doc = {
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "ctx": self.ctx,
+            "kv_budget": self.budget,
+            "max_ppl_increase": self.max_ppl_increase,
+            "choice": c.choice.describe(self.num_layers),
+            "sliding_window": c.choice.window,
+            "sinks": c.choice.sinks,
+            "global_layers": list(c.choice.global_layers) if c.choice.window else None,
+            "kv_bytes_per_token": round(c.kv_bytes_per_token, 1),
+            "original_kv_bytes_per_token": round(self.original_kv_bytes_per_token, 1),
+            "times_smaller": round(c.times_smaller, 3),
+            "dev_ppl": c.dev_ppl,
+            "original_dev_ppl": self.original_dev_ppl,
+            "calibration": self.calibration,
+            "dev_text": self.dev_text,
+            "candidates": [{**asdict(x.choice), "kv_bytes_per_token": round(x.kv_bytes_per_token, 1),
+                            "times_smaller": round(x.times_smaller, 3), "dev_ppl": x.dev_ppl}
+                           for x in self.candidates],
+        }
+        return json.dumps(doc, indent=2) + "\n"
+
+
+def check_request(config: dict, budget: float | None, max_ppl_increase: float | None, ctx: int) -> AttentionLayout:
+    """Refuse what the planner cannot plan, in one line; the checkpoint's layout otherwise."""
+    if (budget is None) == (max_ppl_increase is None):
+        raise KvslimError("plan with exactly one of --kv-budget R or --max-ppl-increase P")
+    if budget is not None and not 0 < budget <= 1:
+        raise KvslimError(f"--kv-budget {budget} must be a fraction of the original's KV bytes in (0, 1]")
+    if max_ppl_increase is not None and not max_ppl_increase >= 0:
+        raise KvslimError(f"--max-ppl-increase {max_ppl_increase} must be 0 or more (0.1 = +10%)")
+    positions = int(config.get("max_position_embeddings") or 0)
+    if ctx < 2 or (positions and ctx > positions):
+        raise KvslimError(f"--ctx {ctx} must be between 2 and the model's context ({positions})")
+    layout = AttentionLayout.from_config(config)
+    if layout.sliding_layers() or any(l.kv_source != i for i, l in enumerate(layout.layers)):
+        raise KvslimError("--kv-budget plans from a full-attention checkpoint without KV sharing "
+                          "(this one has sliding or KV-sharing layers)")
+    return layout
+
+
+def layer_bytes(config: dict, kv_dtype: str, window: int | None, ctx: int) -> tuple[float, float]:
+    """KV bytes per token at ``ctx`` of one full layer and one sliding layer (window + sinks),
+    counted from a real allocation holding one ``ctx``-token sequence (``kv_report``)."""
+    from runtime.cache.kv_report import report_variant
+
+    n = int(config["num_hidden_layers"])
+    probe = KvChoice(kv_dtype, window, (0,), PLAN_SINKS if window else 0)
+    cfg = probe.config(config)
+    if window is not None and n == 1:
+        cfg = {**cfg, "layer_types": [SLIDING]}
+    layout = AttentionLayout.from_config(cfg)
+    budget = 2 * ctx * layout.kv_bytes_per_token(ctx, 4.0) + (64 << 20)  # room for one sequence, any dtype
+    report = report_variant("plan", cfg, kv_dtype, int(budget), seq_len=ctx)
+    per_layer = {g.kind: g.counted_bytes_per_token / g.num_layers for g in report.groups}
+    full = per_layer.get("full", math.inf)
+    return full, per_layer.get("sliding", full)
+
+
+def candidates(config: dict, ctx: int, budget_bytes: float | None, ranking: dict[int, list[int]],
+               dtypes: tuple[str, ...] = PLAN_DTYPES) -> list[Candidate]:
+    """Every choice to serve, with its bytes: per dtype, full attention, and per window the most
+    full layers the budget allows (without a budget: a ladder of full-layer counts). ``ranking[W]``:
+    the layers by attention mass beyond W, most first."""
+    n = int(config["num_hidden_layers"])
+    original = layer_bytes(config, "bf16", None, ctx)[0] * n
+    out = []
+    for dtype in dtypes:
+        cost = {w: layer_bytes(config, dtype, w, ctx) for w in (None, *ranking)}  # (full, sliding) per layer
+        options = [KvChoice(dtype)]
+        for w, ranked in ranking.items():
+            f, s = cost[w]
+            if budget_bytes is None:
+                counts = sorted({n // 2, n // 3, n // 6, max(1, n // 10), 0} - {n})
+            else:
+                most = math.floor((budget_bytes - n * s) / (f - s)) if f > s else n - 1
+                counts = [min(most, n - 1)] if most >= 0 else []
+            options += [KvChoice(dtype, w, tuple(sorted(ranked[:g])), PLAN_SINKS) for g in counts]
+        for choice in options:
+            g = len(choice.global_layers) if choice.window else n
+            f, s = cost[choice.window]
+            nbytes = g * f + (n - g) * s
+            if budget_bytes is None or nbytes <= budget_bytes:
+                out.append(Candidate(choice, nbytes, original / nbytes))
+    return sorted(out, key=lambda c: c.kv_bytes_per_token)  # fewest bytes first
+
+
+def rank_layers(model_dir: Path, ids: torch.Tensor, windows: tuple[int, ...]) -> dict[int, list[int]]:
+    """Per window, the layers by attention mass beyond it on ``ids`` (most first)."""
+    from transformers import AutoModelForCausalLM
+
+    from attention_variants.attention_inputs import measure_far_mass
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    mass = measure_far_mass(model, ids, windows)
+    return {w: sorted(range(len(m)), key=lambda i: -m[i]) for w, m in mass.items()}
+
+
+def served_perplexity(model_dir: Path, config: dict, kv_dtype: str, ids: torch.Tensor, text: str, ctx: int) -> float:
+    """Perplexity of ``ids`` at context ``ctx`` (stride ctx/2) through the runtime's paged cache,
+    the checkpoint's weights under ``config``."""
+    from foundation.perplexity import perplexity
+    from runtime.engine.engine import Engine, EngineConfig
+    from runtime.model.loader import load_model
+
+    with tempfile.TemporaryDirectory(prefix="kvslim-plan-") as tmp:
+        for f in Path(model_dir).iterdir():  # the weights as they are, the layout from config
+            if f.name != "config.json":
+                os.symlink(f.resolve(), Path(tmp) / f.name)
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        model = load_model(Path(tmp), "auto")
+        engine = Engine(model, EngineConfig(kv_dtype=kv_dtype, max_num_batched_tokens=ctx, max_model_len=ctx + 2,
+                                            kv_cache_bytes=max(64, ctx // 16) << 20))
+        return perplexity(lambda x: engine.score(x[0])[None], ids, text, context=ctx, stride=max(1, ctx // 2)).perplexity
+
+
+def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase: float | None = None,
+            ctx: int = 2048, calib: str | None = None, windows: tuple[int, ...] = PLAN_WINDOWS,
+            dtypes: tuple[str, ...] = PLAN_DTYPES, progress: Callable[[str], None] = lambda _: None) -> KvPlan:
+    """Choose the KV layout and dtype for ``model_dir`` (see the module docstring)."""
+    ckpt = Checkpoint.open(model_dir)
+    config = ckpt.config
+    layout = check_request(config, budget, max_ppl_increase, ctx)
+    n = layout.num_layers
+    windows = tuple(w for w in windows if w < ctx)
+    source = calib or DEFAULT_CALIB
+    spec = CalibrationSpec(source=source, num_samples=CALIB_SEQS + DEV_WINDOWS, seq_len=ctx)
+    tokens = token_windows(load_tokenizer(ckpt.path)(spec.load_text(), add_special_tokens=False)["input_ids"], spec)
+    calib_ids, dev = tokens[:CALIB_SEQS], tokens[CALIB_SEQS:].flatten()
+    calibration = f"{CALIB_SEQS} x {ctx} tokens of {source}"
+    dev_text = f"{source} tokens [{CALIB_SEQS * ctx}, {(CALIB_SEQS + DEV_WINDOWS) * ctx})"
+    progress(f"ranking layers by attention mass beyond windows {list(windows)} on {calibration}")
+    ranking = rank_layers(ckpt.path, calib_ids, windows) if windows else {}
+    original_bytes = layer_bytes(config, "bf16", None, ctx)[0] * n
+    original_ppl = served_perplexity(ckpt.path, config, "bf16", dev, dev_text, ctx)
+    progress(f"original (bf16 KV): {original_bytes:,.0f} B/token @{ctx}, dev ppl {original_ppl:.3f}")
+    todo = candidates(config, ctx, None if budget is None else budget * original_bytes, ranking, dtypes)
+    if not todo:
+        raise KvslimError(f"no KV plan fits {budget:g} of the original's bytes at context {ctx} (the smallest: "
+                          f"{min(dtypes, key=_bits)} with every layer sliding over the shortest window)")
+    served = []
+    for cand in todo:
+        ppl = served_perplexity(ckpt.path, cand.choice.config(config), cand.choice.kv_dtype, dev, dev_text, ctx)
+        cand = replace(cand, dev_ppl=ppl)
+        served.append(cand)
+        progress(f"{cand.choice.describe(n)}: {cand.kv_bytes_per_token:,.0f} B/token ({cand.times_smaller:.2f}x smaller), "
+                 f"dev ppl {ppl:.3f} ({100 * (ppl / original_ppl - 1):+.2f}%)")
+        if max_ppl_increase is not None and ppl <= original_ppl * (1 + max_ppl_increase):
+            break
+    if budget is not None:
+        chosen = min(served, key=lambda c: c.dev_ppl)
+    else:
+        passing = [c for c in served if c.dev_ppl <= original_ppl * (1 + max_ppl_increase)]
+        chosen = passing[0] if passing else None
+        if chosen is None:
+            raise KvslimError(f"no KV plan stays within +{100 * max_ppl_increase:g}% dev perplexity "
+                              f"(the best: {min(served, key=lambda c: c.dev_ppl).dev_ppl:.3f} vs {original_ppl:.3f})")
+    return KvPlan(ctx, budget, max_ppl_increase, n, original_bytes, original_ppl, chosen, tuple(served),
+                  calibration, dev_text)
+
+
+def _bits(dtype: str) -> int:
+    return {"int2": 2, "int4": 4, "int8": 8}.get(dtype, 16)
+
+
+def write_planned_checkpoint(model_dir: str | Path, plan: KvPlan, out: str | Path, force: bool = False) -> Path:
+    """The checkpoint with the plan's layout (``compress convert``'s sliding rewrite and sinks) and
+    ``plan.json``, written atomically."""
+    from attention_variants.convert import ConvertSpec, convert
+    from foundation.atomic import atomic_output_dir, check_output_dir
+
+    choice = plan.chosen.choice
+    if choice.window is not None:
+        spec = ConvertSpec(sliding_window=choice.window, global_layers=choice.global_layers, sinks=choice.sinks)
+        return convert(Path(model_dir), spec, Path(out), force=force, extra_files={PLAN_FILE: plan.to_json()}).out
+    ckpt = Checkpoint.open(model_dir)
+    check_output_dir(Path(out), force)
+    with atomic_output_dir(out, force, checked=True) as tmp:  # the weights unchanged, the plan beside them
+        for f in ckpt.path.iterdir():
+            if f.is_file() and f.name != PLAN_FILE:
+                shutil.copy2(f, tmp / f.name)
+        (tmp / PLAN_FILE).write_text(plan.to_json())
+    return Path(out)

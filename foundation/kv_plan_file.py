@@ -1,0 +1,34 @@
+"""``plan.json``: the KV plan a checkpoint carries (written by ``compress convert --kv-budget``).
+
+The planner (``eval.kv_plan``) writes it; the runtime reads its KV dtype as the default for
+``--kv-cache-dtype auto``, and ``compress inspect`` prints its bytes. One reader, here.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from foundation.errors import CheckpointError
+
+PLAN_FILE = "plan.json"
+PLAN_KV_DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3", "int8", "int4", "int2")
+
+
+def read_plan(checkpoint_dir: str | Path) -> dict | None:
+    """The checkpoint's plan, or None when it carries none; a one-line error when it is unreadable."""
+    path = Path(checkpoint_dir) / PLAN_FILE
+    if not path.is_file():
+        return None
+    try:
+        plan = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable KV plan ({e})") from None
+    if not isinstance(plan, dict) or plan.get("kv_cache_dtype") not in PLAN_KV_DTYPES:
+        raise CheckpointError(f"{path}: a KV plan needs kv_cache_dtype, one of {', '.join(PLAN_KV_DTYPES)}")
+    return plan
+
+
+def planned_kv_dtype(checkpoint_dir: str | Path) -> str | None:
+    """The KV cache dtype the checkpoint's plan chose, or None without a plan."""
+    plan = read_plan(checkpoint_dir)
+    return None if plan is None else plan["kv_cache_dtype"]

@@ -1,0 +1,92 @@
+"""The KV planner on a tiny random Llama with the default model's tokenizer (real calibration text):
+budgets hold by allocation, the plan is written and read back, and bad requests are one line."""
+import json
+
+import pytest
+
+from eval.kv_plan import KvChoice, candidates, layer_bytes, plan_kv, write_planned_checkpoint
+from foundation.checkpoint import Checkpoint
+from foundation.errors import KvslimError
+from foundation.kv_plan_file import PLAN_FILE, planned_kv_dtype, read_plan
+
+CTX = 64
+WINDOWS = (32, 16)
+
+
+def test_layer_bytes_are_the_allocators(tiny_llama):
+    """bf16 full attention: 2 (K, V) x 2 KV heads x 32 dims x 2 bytes per layer; a sliding layer
+    ends a 64-token sequence holding its sinks' block and the window's block (blocks of 16)."""
+    config = Checkpoint.open(tiny_llama).config
+    full, sliding = layer_bytes(config, "bf16", 16, CTX)
+    assert full == 2 * 2 * 32 * 2
+    assert sliding == full * 32 / 64
+    int4_full, _ = layer_bytes(config, "int4", None, CTX)
+    assert int4_full < full / 3
+
+
+@pytest.mark.parametrize("budget", [0.9, 0.5, 0.3, 0.2])
+def test_no_candidate_exceeds_its_budget(tiny_llama, budget):
+    config = Checkpoint.open(tiny_llama).config
+    original = layer_bytes(config, "bf16", None, CTX)[0] * 4
+    ranking = {w: [3, 1, 0, 2] for w in WINDOWS}
+    cands = candidates(config, CTX, budget * original, ranking)
+    assert cands, budget
+    for c in cands:
+        assert c.kv_bytes_per_token <= budget * original
+        assert c.times_smaller == pytest.approx(original / c.kv_bytes_per_token)
+        if c.choice.window is not None:  # the most-ranked layers stay full
+            g = len(c.choice.global_layers)
+            assert set(c.choice.global_layers) == set(ranking[c.choice.window][:g])
+    assert [c.kv_bytes_per_token for c in cands] == sorted(c.kv_bytes_per_token for c in cands)
+
+
+def test_plan_is_served_written_and_read_back(tiny_with_tokenizer, tmp_path):
+    plan = plan_kv(tiny_with_tokenizer, budget=0.4, ctx=CTX, windows=WINDOWS, dtypes=("bf16", "int4"))
+    assert plan.chosen.kv_bytes_per_token <= 0.4 * plan.original_kv_bytes_per_token
+    assert all(c.dev_ppl is not None for c in plan.candidates)
+    assert plan.chosen.dev_ppl == min(c.dev_ppl for c in plan.candidates)
+    out = write_planned_checkpoint(tiny_with_tokenizer, plan, tmp_path / "planned")
+    doc = read_plan(out)
+    assert doc["kv_cache_dtype"] == plan.kv_cache_dtype == planned_kv_dtype(out)
+    assert doc["times_smaller"] >= 2.5
+    config = json.loads((out / "config.json").read_text())
+    if plan.chosen.choice.window is not None:
+        assert config["sliding_window"] == plan.chosen.choice.window and config["num_sink_tokens"] == 4
+
+    # The runtime serves the planned KV dtype by default, and the plan's bytes are the allocator's.
+    from runtime.engine.engine import Engine, EngineConfig
+
+    engine = Engine.from_checkpoint(out, EngineConfig(max_model_len=CTX, kv_cache_bytes=8 << 20))
+    assert {g.kv_dtype for g in engine.kv_spec.groups} == {plan.kv_cache_dtype}
+
+
+def test_max_ppl_increase_takes_the_fewest_bytes_that_pass(tiny_with_tokenizer):
+    plan = plan_kv(tiny_with_tokenizer, max_ppl_increase=0.5, ctx=CTX, windows=(32,), dtypes=("bf16", "int8"))
+    passing = [c for c in plan.candidates if c.dev_ppl <= 1.5 * plan.original_dev_ppl]
+    assert plan.chosen == passing[0] == plan.candidates[-1]  # served in order of bytes, stopped at the first pass
+    assert all(c.kv_bytes_per_token <= plan.chosen.kv_bytes_per_token for c in plan.candidates)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(budget=0.0), "in \\(0, 1\\]"),
+    (dict(budget=1.5), "in \\(0, 1\\]"),
+    (dict(budget=0.5, max_ppl_increase=0.1), "exactly one"),
+    (dict(), "exactly one"),
+    (dict(max_ppl_increase=-1.0), "0 or more"),
+    (dict(budget=0.5, ctx=100000), "context"),
+    (dict(budget=0.001), "no KV plan fits"),
+])
+def test_bad_requests_are_one_line(tiny_with_tokenizer, kw, match):
+    kw = {"ctx": CTX, "windows": WINDOWS, **kw}
+    with pytest.raises(KvslimError, match=match):
+        plan_kv(tiny_with_tokenizer, **kw)
+
+
+def test_a_bad_plan_file_is_one_line(tmp_path):
+    (tmp_path / PLAN_FILE).write_text("{not json")
+    with pytest.raises(KvslimError, match="unreadable KV plan"):
+        read_plan(tmp_path)
+    (tmp_path / PLAN_FILE).write_text(json.dumps({"kv_cache_dtype": "int3"}))
+    with pytest.raises(KvslimError, match="needs kv_cache_dtype"):
+        planned_kv_dtype(tmp_path)
+    assert KvChoice("int4").config({"a": 1}) == {"a": 1}
