@@ -17,6 +17,7 @@ from pathlib import Path
 
 from eval.perplexity_task import PERPLEXITY_TASKS
 from foundation.errors import KvslimError
+from foundation.kv_plan_file import planned_kv_dtype
 from foundation.quant_spec import QuantSpec
 
 GIB = 1 << 30
@@ -63,10 +64,12 @@ def weight_bytes(ckpt: Path) -> int:
     return sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
 
 
-def served_kv_dtype(config: dict) -> str:
-    """The KV dtype a deployment would use: the checkpoint's FP8/INT8 KV scheme, else bf16."""
+def served_kv_dtype(config: dict, ckpt: Path | None = None) -> str:
+    """The KV dtype a deployment would use: the checkpoint's FP8/INT8 KV scheme, else its KV plan's
+    (``plan.json`` in ``ckpt``), else bf16."""
     quant = QuantSpec.of_model_config(config)
-    return (quant.kv_dtype if quant else None) or "bf16"
+    planned = planned_kv_dtype(ckpt) if ckpt is not None else None
+    return (quant.kv_dtype if quant else None) or planned or "bf16"
 
 
 def fastest_decode(ckpt: Path, s: ReportSettings, kv_dtype: str | None = None) -> tuple[float, str]:
@@ -120,7 +123,7 @@ def measure(name: str, ckpt: Path, s: ReportSettings, use_cache: bool = True,
 
     config = json.loads((ckpt / "config.json").read_text())
     chosen = KV_CACHE_DTYPES[kv_cache_dtype]
-    kv_dtype = chosen or served_kv_dtype(config)
+    kv_dtype = chosen or served_kv_dtype(config, ckpt)
     static = has_static_kv_scales(ckpt) and kv_dtype == served_kv_dtype(config)
     kv = report_variant(name, config, kv_dtype, s.kv_budget_bytes, s.seq_len, static_scales=static)
     plan = EvalPlan.make(list(s.tasks), s.limit, s.perplexity_tokens, 8, s.dtype,
@@ -191,7 +194,7 @@ def markdown_table(rows: list[CheckpointRow], s: ReportSettings) -> str:
         f"- Decode tok/s: kvslim engine, {s.decode_batch} concurrent requests, "
         f"{s.decode_prompt_tokens}-token prompts of wikipedia:eval, {s.decode_new_tokens} new tokens; "
         "aggregate generated tokens/s after the first token; KV in the row's dtype (by default the checkpoint's "
-        "kv_cache_scheme, else the activation dtype); activations "
+        "kv_cache_scheme, else its KV plan's, else the activation dtype); activations "
         + ("auto (the runtime's choice on this CPU)" if s.decode_dtypes == ("auto",)
            else f"the fastest of {', '.join(s.decode_dtypes)} per checkpoint")
         + ", named in brackets.",

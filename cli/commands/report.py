@@ -17,8 +17,9 @@ DEFAULT_TASKS = ("arc_easy", "hellaswag", "piqa", "ppl_wikipedia")
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoints", metavar="CKPT", nargs="+",
-                   help="checkpoint directories or model names; the first is the baseline of 'recovery'")
+    p.add_argument("checkpoints", metavar="CKPT[@KV]", nargs="+",
+                   help="checkpoint directories or model names; the first is the baseline of 'recovery'; "
+                        "CKPT@int4 measures that checkpoint with that KV cache dtype only (one row)")
     p.add_argument("--names", help="comma-separated row names (default: directory names)")
     p.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
                    help=f"comma-separated eval tasks, at most one perplexity entry (default: {','.join(DEFAULT_TASKS)})")
@@ -60,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
         raise KvslimError(f"--kv-budget-gib must be > 0, got {args.kv_budget_gib}")
     out = Path(args.out)
     check_output_dir(out, args.force)
-    paths = [resolve_model(c).resolve() for c in args.checkpoints]
+    entries = [_entry(c) for c in args.checkpoints]
+    paths = [resolve_model(c).resolve() for c, _ in entries]
     names = names or [p.name for p in paths]
     if args.ctx is not None and args.ctx < 2:
         raise KvslimError(f"--ctx must be >= 2, got {args.ctx}")
@@ -69,10 +71,11 @@ def run(args: argparse.Namespace) -> int:
                               decode_new_tokens=args.decode_tokens, context=args.ctx)
     torch.set_num_threads(min(torch.get_num_threads(), 4))
     rows = []
-    kv_dtypes = list(dict.fromkeys(args.kv_cache_dtypes))
-    for name, path in zip(names, paths):
+    crossed = list(dict.fromkeys(args.kv_cache_dtypes))
+    for name, path, (_, own) in zip(names, paths, entries):
+        kv_dtypes = [own] if own else crossed
         for kv in kv_dtypes:
-            row_name = name if len(kv_dtypes) == 1 else f"{name} {kv}"
+            row_name = name if len(kv_dtypes) == 1 and (own is None or args.names) else f"{name} {kv}"
             print(f"measuring {row_name} ({path})", flush=True)
             rows.append(measure(row_name, path, settings, use_cache=not args.no_cache, kv_cache_dtype=kv))
     with atomic_output_dir(out, args.force) as tmp:
@@ -84,3 +87,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"plot:  {out / 'report.png'}")
     print(f"pareto: {out / 'pareto.png'}")
     return 0
+
+
+def _entry(text: str) -> tuple[str, str | None]:
+    """``CKPT`` or ``CKPT@KV`` (KV a ``--kv-cache-dtype`` name; any other ``@`` is part of the path)
+    -> (checkpoint, its own KV dtype or None)."""
+    ckpt, at, kv = text.rpartition("@")
+    return (ckpt, kv) if at and kv in KV_CACHE_DTYPES else (text, None)

@@ -52,7 +52,8 @@ MIB = 1 << 20
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine knobs. ``kv_dtype``: fp32 | bf16 | fp16 | fp8_e4m3 | int8 | int4 | int2, or None for the model
-    dtype (or the checkpoint's ``kv_cache_scheme``). ``kv_cache_bytes`` sizes the block pools."""
+    dtype (``from_checkpoint``: the checkpoint's ``kv_cache_scheme``, else its KV plan's). ``kv_cache_bytes`` sizes
+    the block pools."""
 
     dtype: str = "auto"  # activations: auto (runtime.model.layers.activation_dtype) | float32 | bfloat16 | float16
     kv_dtype: str | None = None
