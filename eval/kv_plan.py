@@ -125,6 +125,8 @@ def check_request(config: dict, budget: float | None, max_ppl_increase: float | 
         raise KvslimError(f"--kv-budget {budget} must be a fraction of the original's KV bytes in (0, 1]")
     if max_ppl_increase is not None and not max_ppl_increase >= 0:
         raise KvslimError(f"--max-ppl-increase {max_ppl_increase} must be 0 or more (0.1 = +10%)")
+    if config.get("quantization_config"):
+        raise KvslimError("checkpoint is quantized; plan the KV layout on unquantized weights, then quantize")
     positions = int(config.get("max_position_embeddings") or 0)
     if ctx < 2 or (positions and ctx > positions):
         raise KvslimError(f"--ctx {ctx} must be between 2 and the model's context ({positions})")
@@ -205,7 +207,8 @@ def served_perplexity(model_dir: Path, config: dict, kv_dtype: str, ids: torch.T
                 os.symlink(f.resolve(), Path(tmp) / f.name)
         (Path(tmp) / "config.json").write_text(json.dumps(config))
         model = load_model(Path(tmp), "auto")
-        engine = Engine(model, EngineConfig(kv_dtype=kv_dtype, max_num_batched_tokens=ctx, max_model_len=ctx + 2,
+        room = min(ctx + 2, model.spec.max_position_embeddings)
+        engine = Engine(model, EngineConfig(kv_dtype=kv_dtype, max_num_batched_tokens=ctx, max_model_len=room,
                                             kv_cache_bytes=max(64, ctx // 16) << 20))
         return perplexity(lambda x: engine.score(x[0])[None], ids, text, context=ctx, stride=max(1, ctx // 2)).perplexity
 
