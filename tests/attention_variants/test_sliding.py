@@ -76,3 +76,20 @@ def assert_cached_decode_equals_one_pass(checkpoint, one_pass: torch.Tensor, pre
             steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), one_pass, atol=1e-4, rtol=1e-4)
 
+
+
+def test_far_mass_of_several_windows_in_one_pass(tiny_llama):
+    """The hooks measure, per window, what transformers' own returned probabilities give."""
+    from transformers import AutoModelForCausalLM
+
+    from attention_variants.attention_inputs import _far_mass, measure_far_mass
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="eager").eval()
+    ids = torch.randint(3, 500, (2, 40), generator=torch.Generator().manual_seed(0))
+    mass = measure_far_mass(model, ids, (8, 16))
+    with torch.no_grad():
+        attns = [model(input_ids=row[None], output_attentions=True).attentions for row in ids]
+    for w in (8, 16):
+        expected = [sum(_far_mass(a[layer], w) for a in attns) / 2 for layer in range(4)]
+        assert mass[w] == pytest.approx(expected, rel=1e-5)
+    assert all(a > b for a, b in zip(mass[8], mass[16]))  # more of the attention lies beyond a shorter window
