@@ -3,7 +3,9 @@
 SmolLM2-135M-Instruct is quantized (FP8 weights + calibrated FP8 KV cache; INT4 by GPTQ with its
 scales then tuned end to end; the
 unquantized tensors stored in bf16, since the default model's own dtype is the GGUF's fp32),
-rewritten (MQA + KV shared by pairs of layers) and briefly healed, then every checkpoint is
+rewritten (MQA + KV shared by pairs of layers) and briefly healed, given a KV plan (KV dtype,
+sliding window + sinks and full layers chosen under 16% of the bf16 KV bytes at context 2,048, each
+candidate served on a calibration dev slice), then every checkpoint is
 evaluated on kvslim's own runtime (lm-eval through the ``kvslim`` backend, small fixed limits)
 and compared by ``compress report``: bytes, KV capacity, quality, decode speed. Outputs go to
 ``./out/demo`` (overwritten: it is a demo). Each stage prints the command it runs and its wall time.
@@ -30,11 +32,13 @@ HEAL_STEPS = 20  # x 4 x 256 tokens of wikipedia:heal
 KV_CALIB_SAMPLES = 8  # x 512 tokens of wikipedia:calib for the FP8 KV scales
 GPTQ_CALIB_SAMPLES = 16  # x 512 tokens of wikipedia:calib for GPTQ's Hessians and the scale tuning
 TUNE_SCALES_STEPS = 16  # x 4 windows: the INT4 scales tuned end to end after GPTQ (compress/scale_tuning.py)
+KV_BUDGET = 0.16  # the KV plan's budget: >= 6x fewer KV bytes per token than bf16 (eval/kv_plan.py)
 
 
 def stages() -> list[tuple[str, list[str]]]:
     """(banner, compress argv) per stage, in order."""
-    fp8, int4, mqa = (str(OUT / n) for n in ("smollm2-fp8", "smollm2-int4-gptq", "smollm2-mqa-kv2"))
+    fp8, int4, mqa, plan = (str(OUT / n) for n in ("smollm2-fp8", "smollm2-int4-gptq", "smollm2-mqa-kv2",
+                                                   "smollm2-kv-plan"))
     eval_args = ["--backend", "kvslim", "--tasks", TASKS, "--limit", str(LIMIT), "--ppl-tokens", str(PPL_TOKENS)]
     return [
         ("quantize: FP8 weights + calibrated FP8 KV cache",
@@ -45,9 +49,12 @@ def stages() -> list[tuple[str, list[str]]]:
         (f"convert: MQA + KV shared by pairs of layers, healed {HEAL_STEPS} steps",
          ["convert", MODEL, "--mqa", "--kv-share", "2", "--heal-steps", str(HEAL_STEPS), "--eval-tokens", "0",
           "-o", mqa, "--force"]),
-        *[(f"eval on the kvslim runtime: {Path(c).name}", ["eval", c, *eval_args]) for c in (MODEL, fp8, int4, mqa)],
+        (f"convert: KV plan under {KV_BUDGET:g} of the bf16 KV bytes at context 2,048 (served on a dev slice)",
+         ["convert", MODEL, "--kv-budget", str(KV_BUDGET), "-o", plan, "--force"]),
+        *[(f"eval on the kvslim runtime: {Path(c).name}", ["eval", c, *eval_args])
+          for c in (MODEL, fp8, int4, mqa, plan)],
         ("report",
-         ["report", MODEL, fp8, int4, mqa, "--names", "original,fp8+fp8kv,int4-gptq,mqa+kv-share2",
+         ["report", MODEL, fp8, int4, mqa, plan, "--names", "original,fp8+fp8kv,int4-gptq,mqa+kv-share2,kv-plan",
           "--tasks", TASKS, "--limit", str(LIMIT), "--ppl-tokens", str(PPL_TOKENS), "-o", str(OUT / "report"), "--force"]),
     ]
 

@@ -16,8 +16,8 @@ def test_every_stage_parses_and_outputs_under_out_demo():
         if out is not None:
             assert str(out).startswith(str(demo.OUT))
             assert args.force
-    assert commands[:3] == ["quantize", "quantize", "convert"]
-    assert commands[-1] == "report" and commands.count("eval") == 4
+    assert commands[:4] == ["quantize", "quantize", "convert", "convert"]
+    assert commands[-1] == "report" and commands.count("eval") == 5
 
 
 def test_eval_stages_run_on_the_kvslim_runtime_with_the_report_settings():
