@@ -106,3 +106,10 @@ def test_plan_writes_plan_json_that_inspect_prints(tiny_with_tokenizer, tmp_path
     assert plan["sliding_window"] is None and plan["kv_cache_dtype"] in ("int8", "int4", "int2")
     assert main(["inspect", str(out)]) == 0
     assert f"served with {plan['kv_cache_dtype']} KV by default" in capsys.readouterr().out
+
+
+def test_sinks_on_trained_windows_print_a_note(tiny_checkpoints, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["convert", str(tiny_checkpoints["gemma3_text"]), "--sinks", "2", "--eval-tokens", "0",
+                 "-o", str(out)]) == 0
+    assert "trained with these sliding windows" in capsys.readouterr().out
