@@ -67,10 +67,10 @@ def test_kv_dtype_rows_and_pareto(variants, tmp_path, capsys):
 def test_a_checkpoint_at_a_kv_dtype_is_one_row(variants, tmp_path, capsys):
     """``CKPT@KV`` rows sit beside crossed ones: each point of the Pareto names how it was served."""
     out = tmp_path / "rep"
-    assert main(["report", str(variants[0]), f"{variants[0]}@int2", str(variants[2]), "--kv-cache-dtypes", "bf16",
+    assert main(["report", f"{variants[0]}@int2", str(variants[2]), "--kv-cache-dtypes", "bf16",
                  *ARGS, "-o", str(out)]) == 0
     rows = json.loads((out / "report.json").read_text())["rows"]
-    assert [(r["name"], r["kv_dtype"]) for r in rows] == [("tiny", "bf16"), ("tiny int2", "int2"), ("tiny-mqa", "bf16")]
+    assert [(r["name"], r["kv_dtype"]) for r in rows] == [("tiny int2", "int2"), ("tiny-mqa", "bf16")]
     assert main(["report", f"{variants[0]}@int3", *ARGS, "-o", str(tmp_path / "bad")]) == 2  # a path, not found
     assert "@int3" in capsys.readouterr().err
 
