@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from runtime.attention.backend import AttentionParams
 from runtime.attention.key_rope import KeyRope, StepKeyRotary
-from runtime.cache.kv_cache import RELEASED, KVCache
+from runtime.cache.kv_cache import RELEASED, KVCache, sink_block_count
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ def _plan(batch: PagedBatch, table: torch.Tensor, window: int | None, sinks: int
     """Blocks read: all of them (full attention), or the window's blocks after the blocks
     holding the ``sinks`` first positions (each block read once)."""
     bs = batch.block_size
-    sink_blocks = -(-sinks // bs) if window is not None else 0
+    sink_blocks = sink_block_count(sinks, bs) if window is not None else 0
     decode_blocks = decode_allowed = decode_bias = decode_new_key = decode_key_pos = None
     if batch.decode_seqs.numel():
         idx = batch.decode_seqs

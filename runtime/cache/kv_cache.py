@@ -78,6 +78,13 @@ class CacheGroup:
         return LOW_BIT_KV.get(self.kv_dtype)
 
 
+def sink_block_count(sinks: int, block_size: int) -> int:
+    """Leading blocks a sliding layer keeps for ``sinks`` attention sinks (the block holding
+    positions ``0 .. sinks - 1``, whole): the one count the spec, the block manager and the
+    attention plan share."""
+    return -(-sinks // block_size)
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
     """Cache groups, the layer -> (group, slot) map, block size and scale mode."""
@@ -123,7 +130,7 @@ class KVCacheSpec:
 
     def sink_blocks(self, g: int) -> int:
         """Leading blocks group ``g`` keeps for its attention sinks."""
-        return -(-self.groups[g].sinks // self.block_size)
+        return sink_block_count(self.groups[g].sinks, self.block_size)
 
     def scale_bytes(self, group: CacheGroup) -> int:
         """Bytes of scale per token and head (0 for unquantized or per-layer scalar scales)."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Sequence
 
-from runtime.cache.kv_cache import RELEASED
+from runtime.cache.kv_cache import RELEASED, sink_block_count
 
 
 class BlockPool:
@@ -109,7 +109,7 @@ class BlockManager:
         self.block_size = block_size
         self.windows = tuple(windows)
         sinks = tuple(sinks) if sinks is not None else (0,) * len(windows)
-        self.sink_blocks = tuple(-(-s // block_size) for s in sinks)
+        self.sink_blocks = tuple(sink_block_count(s, block_size) for s in sinks)
         self.pools = [BlockPool(n, None if on_free is None else partial(on_free, g)) for g, n in enumerate(num_blocks)]
         self.prefix_caching = enable_prefix_caching and all(w is None for w in windows)
         self.tables: dict[int, list[list[int]]] = {}
