@@ -63,19 +63,21 @@ def test_kv_quant_peer_counts_what_quantized_cache_allocates(monkeypatch):
     from transformers import LlamaConfig
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # the script sets a default; restored after
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # as running the script makes it importable
     spec = importlib.util.spec_from_file_location("kv_quant_peer", ROOT / "benchmarks" / "kv_quant_peer.py")
     peer = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "kv_quant_peer", peer)  # its dataclasses look their module up there
     spec.loader.exec_module(peer)
-    assert peer.split_at_blocks(peer.window_chunks(130, 64, 64), 64) == [63, 1, 63, 1, 2]
+    qc = sys.modules["quantized_cache_peer"]  # the transformers side, imported by the script
+    assert peer.split_at_blocks(qc.window_chunks(130, 64, 64), 64) == [63, 1, 63, 1, 2]
     config = LlamaConfig(num_hidden_layers=2, hidden_size=192, num_attention_heads=3, num_key_value_heads=3)
     kv = [torch.randn(1, 3, 64, 64) for _ in range(4)]
     for residual, quantized in ((64, 128), (128, 64)):
-        cache = peer.quantized_cache_factory(SimpleNamespace(config=config), "quanto", 4, residual, 64)()
+        cache = qc.quantized_cache_factory(SimpleNamespace(config=config), "quanto", 4, residual, 64)()
         for layer in range(2):
             cache.update(kv[0], kv[1], layer)
             cache.update(kv[2], kv[3], layer)
-        b = peer.cache_bytes(cache)
+        b = qc.cache_bytes(cache)
         assert (b.tokens, b.quantized_tokens) == (128, quantized)
         # per layer, K and V: 4-bit codes; fp32 scale + shift per channel and 64 tokens (K), per token and head (V)
         assert b.codes == 2 * 2 * quantized * 3 * 64 // 2
