@@ -184,8 +184,8 @@ def markdown_table(rows: list[CheckpointRow], s: ReportSettings) -> str:
     lines += [
         "",
         f"- KV B/token: the shared formula at {s.seq_len} tokens, in the row's KV dtype (by default the one "
-        f"served: the checkpoint's kv_cache_scheme, else bf16); KV smaller and ppl change: against "
-        f"{base.name}. KV capacity: {s.seq_len}-token sequences admitted into a "
+        f"served: the checkpoint's kv_cache_scheme, else its KV plan's, else bf16); KV smaller and ppl change: "
+        f"against {base.name}. KV capacity: {s.seq_len}-token sequences admitted into a "
         f"{s.kv_budget_bytes / GIB:g} GiB paged cache until allocation fails (runtime/cache/kv_report.py).",
         f"- Perplexity: {rows[0].perplexity_detail or 'not measured'} (foundation/perplexity.py, kvslim runtime, "
         f"{s.dtype} activations: each row's dtype is named in brackets after its decode tok/s). "
@@ -243,7 +243,8 @@ def plot(rows: list[CheckpointRow], path: Path, s: ReportSettings) -> None:
 
 def plot_pareto(rows: list[CheckpointRow], path: Path, s: ReportSettings) -> None:
     """One PNG: KV bytes per token (times fewer than the first row, log scale) against the
-    perplexity change, one labelled point per row; the rows no other row beats on both are joined."""
+    perplexity change (linear within +-10%, logarithmic beyond, so a collapsed rewrite does not
+    flatten the rest), one labelled point per row; the rows no other row beats on both are joined."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -261,7 +262,13 @@ def plot_pareto(rows: list[CheckpointRow], path: Path, s: ReportSettings) -> Non
     if len(front) > 1:
         ax.plot([p[0] for p in front], [p[1] for p in front], color="gray", alpha=0.5, zorder=0)
     ax.axhline(0, color="gray", lw=0.8)
+    ax.set_yscale("symlog", linthresh=10)
     if points:
+        top, bottom = max(max(p[1] for p in points) * 1.3, 10), min(min(p[1] for p in points) * 1.3, -2)
+        yticks = [t for t in (-10, -5, -2, 0, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+                  if bottom <= t <= top]
+        ax.set_ylim(bottom, top)
+        ax.set_yticks(yticks, [f"{t:+g}%" if t else "0" for t in yticks])
         lo, hi = min(p[0] for p in points) / 1.5, max(p[0] for p in points) * 1.5
         ticks = [t for t in (0.5, 1, 2, 4, 8, 16, 32, 64) if lo <= t <= hi]
         ax.set_xticks(ticks, [f"{t:g}x" for t in ticks])
