@@ -53,7 +53,13 @@ def test_plan_is_served_written_and_read_back(tiny_with_tokenizer, tmp_path):
     if plan.chosen.choice.window is not None:
         assert config["sliding_window"] == plan.chosen.choice.window and config["num_sink_tokens"] == 4
 
-    # The runtime serves the planned KV dtype by default, and the plan's bytes are the allocator's.
+    # The written checkpoint, allocated at the planned dtype, holds what the plan counted.
+    from runtime.cache.kv_report import report_variant
+
+    held = report_variant("planned", config, plan.kv_cache_dtype, 8 << 20, seq_len=CTX).counted_bytes_per_token
+    assert held == pytest.approx(plan.chosen.kv_bytes_per_token) and held <= 0.4 * plan.original_kv_bytes_per_token
+
+    # The runtime serves the planned KV dtype by default.
     from runtime.engine.engine import Engine, EngineConfig
 
     engine = Engine.from_checkpoint(out, EngineConfig(max_model_len=CTX, kv_cache_bytes=8 << 20))
