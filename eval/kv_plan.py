@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from attention_variants.convert import DEFAULT_SINKS, ConvertSpec, convert
 from foundation.attention_layout import FULL, SINKS_KEY, SLIDING, AttentionLayout
 from foundation.calibration import CalibrationSpec, load_tokenizer, token_windows
 from foundation.checkpoint import Checkpoint
@@ -36,7 +37,7 @@ from foundation.texts import DEFAULT_CALIB
 
 PLAN_DTYPES = ("bf16", "int8", "int4", "int2")
 PLAN_WINDOWS = (1024, 512, 256)
-PLAN_SINKS = 4
+PLAN_SINKS = DEFAULT_SINKS  # convert's default with a window (StreamingLLM's 4)
 CALIB_SEQS = 2  # calibration windows of N tokens for the layer ranking
 DEV_WINDOWS = 2  # dev slice: 2 x N tokens after the calibration windows (3 scored windows at stride N/2)
 
@@ -265,7 +266,6 @@ def _bits(dtype: str) -> int:
 def write_planned_checkpoint(model_dir: str | Path, plan: KvPlan, out: str | Path, force: bool = False) -> Path:
     """The checkpoint with the plan's layout (``compress convert``'s sliding rewrite and sinks) and
     ``plan.json``, written atomically."""
-    from attention_variants.convert import ConvertSpec, convert
     from foundation.atomic import atomic_output_dir, check_output_dir
 
     choice = plan.chosen.choice
