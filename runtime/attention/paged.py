@@ -142,8 +142,11 @@ def _plan(batch: PagedBatch, table: torch.Tensor, window: int | None, sinks: int
         if window is None:
             cols = torch.arange(-(-int(ctx.max()) // bs)).expand(len(idx), -1)
         else:
-            n = -(-(window + bs - 1) // bs)
             lo = (ctx - window).clamp_min(0).div(bs, rounding_mode="floor").clamp_min(sink_blocks)
+            # The window's blocks, but no more than the longest sequence has past its window's
+            # first block: a short context reads its few blocks, not a whole window of masked ones.
+            needed = int(((ctx + bs - 1) // bs - lo).max())
+            n = max(1, min(-(-(window + bs - 1) // bs), needed))
             cols = torch.cat([torch.arange(sink_blocks).expand(len(idx), -1), lo[:, None] + torch.arange(n)], dim=1)
         # Columns past a table's end read block 0; their key positions are >= ctx, so masked.
         decode_blocks = table[idx[:, None], cols.clamp_max(table.shape[1] - 1)]

@@ -112,7 +112,7 @@ def test_paged_matches_reference(kv_dtype, static, softcap, sinks):
     assert bm.num_free(0) == 64 and bm.num_free(1) == 64
 
 
-@pytest.mark.parametrize("window,sinks", [(None, 0), (5, 0), (5, 3), (6, 9)])
+@pytest.mark.parametrize("window,sinks", [(None, 0), (5, 0), (5, 3), (6, 9), (64, 2)])
 def test_decode_plan_finds_each_new_key(window, sinks):
     """Each decoding token's own key among those read: the right block and offset (the read rule
     puts the exact new row there)."""
@@ -126,6 +126,17 @@ def test_decode_plan_finds_each_new_key(window, sinks):
     for s, ctx in enumerate(ctxs):
         at = int(plan.decode_new_key[s])
         assert plan.decode_blocks[s, at // bs] == table[s, (ctx - 1) // bs] and at % bs == (ctx - 1) % bs, (ctx, at)
+
+
+def test_a_short_context_reads_its_blocks_not_a_whole_window():
+    """A window of 64 over contexts of at most 9 tokens reads the 3 blocks they hold (sink block
+    included), not the 17 a full window spans: each read block is dequantized with int4/int2."""
+    from runtime.attention.paged import _plan
+
+    ctxs = [2, 5, 9]
+    table = torch.arange(len(ctxs) * 20, dtype=torch.int32).view(len(ctxs), 20)
+    batch = PagedBatch.build(4, [c - 1 for c in ctxs], [1] * len(ctxs), [[row.tolist()] for row in table])
+    assert _plan(batch, batch.block_tables[0], 64, 2, torch.float32, False).decode_blocks.shape[1] == 3
 
 
 def test_int2_keys_are_quantized_before_rope_and_rotated_on_read():
