@@ -35,6 +35,7 @@ from foundation.errors import KvslimError
 from foundation.kv_plan_file import PLAN_FILE
 from foundation.texts import DEFAULT_CALIB
 
+DEFAULT_PLAN_CTX = 2048
 PLAN_DTYPES = ("bf16", "int8", "int4", "int2")
 PLAN_WINDOWS = (1024, 512, 256)
 PLAN_SINKS = DEFAULT_SINKS  # convert's default with a window (StreamingLLM's 4)
@@ -215,7 +216,7 @@ def served_perplexity(model_dir: Path, config: dict, kv_dtype: str, ids: torch.T
 
 
 def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase: float | None = None,
-            ctx: int = 2048, calib: str | None = None, windows: tuple[int, ...] = PLAN_WINDOWS,
+            ctx: int = DEFAULT_PLAN_CTX, calib: str | None = None, windows: tuple[int, ...] = PLAN_WINDOWS,
             dtypes: tuple[str, ...] = PLAN_DTYPES, progress: Callable[[str], None] = lambda _: None) -> KvPlan:
     """Choose the KV layout and dtype for ``model_dir`` (see the module docstring)."""
     ckpt = Checkpoint.open(model_dir)

@@ -43,7 +43,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                            "(e.g. 0.16), the lowest dev perplexity served (writes plan.json)")
     plan.add_argument("--max-ppl-increase", type=float, metavar="P",
                       help="plan the fewest KV bytes whose dev perplexity stays within P of the original's (0.1 = +10%%)")
-    p.add_argument("--ctx", type=int, default=2048, help="context the plan's bytes and perplexity are measured at")
+    p.add_argument("--ctx", type=int, help="with --kv-budget / --max-ppl-increase: the context the plan's bytes and "
+                                           "perplexity are measured at (default 2048)")
     p.add_argument("--eval-tokens", type=int, default=4096,
                    help="unhealed perplexity on this many wikipedia:eval tokens, before and after (0: skip)")
     p.add_argument("--heal-steps", type=int, metavar="S",
@@ -61,7 +62,10 @@ def run(args: argparse.Namespace) -> int:
     from foundation.model_source import resolve_model
 
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 16)))
-    if (args.kv_budget is not None or args.max_ppl_increase is not None) and _rewrites(args):
+    planning = args.kv_budget is not None or args.max_ppl_increase is not None
+    if args.ctx is not None and not planning:
+        raise KvslimError("--ctx applies to a KV plan (--kv-budget R or --max-ppl-increase P)")
+    if planning and _rewrites(args):
         raise KvslimError(f"--kv-budget / --max-ppl-increase choose the window, sinks, full layers and KV dtype "
                           f"themselves; drop {', '.join(_rewrites(args))}")
     spec = ConvertSpec(
@@ -79,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     if args.eval_tokens < 0:
         raise KvslimError(f"--eval-tokens must be 0 (skip) or positive, got {args.eval_tokens}")
     source = resolve_model(args.model)
-    if args.kv_budget is not None or args.max_ppl_increase is not None:
+    if planning:
         return _plan(args, source)
     if args.heal_steps is None:
         result = convert(source, spec, args.out, force=args.force)
@@ -103,11 +107,11 @@ def _rewrites(args: argparse.Namespace) -> list[str]:
 
 
 def _plan(args: argparse.Namespace, source) -> int:
-    from eval.kv_plan import plan_kv, write_planned_checkpoint
+    from eval.kv_plan import DEFAULT_PLAN_CTX, plan_kv, write_planned_checkpoint
     from foundation.atomic import check_output_dir
 
     check_output_dir(Path(args.out), args.force)
-    plan = plan_kv(source, args.kv_budget, args.max_ppl_increase, args.ctx, args.calib,
+    plan = plan_kv(source, args.kv_budget, args.max_ppl_increase, args.ctx or DEFAULT_PLAN_CTX, args.calib,
                    progress=lambda line: print(f"  {line}", flush=True))
     out = write_planned_checkpoint(source, plan, args.out, force=args.force)
     c = plan.chosen

@@ -70,6 +70,7 @@ BAD = {
     "plan_negative_increase": ("llama", ["--max-ppl-increase", "-0.1"], "0 or more"),
     "plan_past_context": ("llama", ["--kv-budget", "0.5", "--ctx", "100000"], "model's context"),
     "plan_sliding_model": ("mistral", ["--kv-budget", "0.5", "--ctx", "64"], "full-attention checkpoint"),
+    "ctx_without_plan": ("llama", ["--mqa", "--ctx", "64"], "--ctx applies to a KV plan"),
     "plan_quantized": ("quantized", ["--kv-budget", "0.5", "--ctx", "64"], "plan the KV layout on unquantized"),
 }
 
