@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from foundation.errors import KvslimError
 from runtime.cache.low_bit_kv import (
@@ -33,6 +34,13 @@ class WritePlan:
     full: torch.Tensor  # [n] sorted blocks whose last offset the write holds
     src: torch.Tensor  # [n, block_size] int64: the write's row at each offset, -1 for the block's residual row
     stays: torch.Tensor  # [T] bool: rows of blocks the write leaves open
+    full_blocks: tuple[int, ...] = ()  # ``full`` as ints
+    open_blocks: tuple[int, ...] = ()  # the blocks of the rows that stay open
+
+
+# Every layer of a cache group receives the same slot_mapping tensor in a step, and a plan depends on
+# the slots alone: it is computed once per step and group (one host sync on a GPU, not one per layer).
+_PLANS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # slots tensor (by identity) -> {block size: plan}
 
 
 class PackedLayerCache:
@@ -72,14 +80,18 @@ class PackedLayerCache:
 
     def plan_write(self, slots: torch.Tensor) -> WritePlan:
         """Which blocks a write to ``slots [T]`` fills, where each of their rows comes from, and
-        which rows stay in residual slots."""
+        which rows stay in residual slots (computed once per slots tensor and block size)."""
         bs = self.block_size
-        blocks, offsets = slots // bs, slots % bs
-        full = blocks[offsets == bs - 1].unique()  # sorted
-        fills = torch.isin(blocks, full)
-        src = torch.full((full.numel(), bs), -1, dtype=torch.long, device=slots.device)
-        src[torch.searchsorted(full, blocks[fills]), offsets[fills]] = fills.nonzero().squeeze(1)
-        return WritePlan(full, src, ~fills)
+        by_size = _PLANS.setdefault(slots, {})
+        if bs not in by_size:
+            blocks, offsets = slots // bs, slots % bs
+            full = blocks[offsets == bs - 1].unique()  # sorted
+            fills = torch.isin(blocks, full)
+            src = torch.full((full.numel(), bs), -1, dtype=torch.long, device=slots.device)
+            src[torch.searchsorted(full, blocks[fills]), offsets[fills]] = fills.nonzero().squeeze(1)
+            stays = ~fills
+            by_size[bs] = WritePlan(full, src, stays, tuple(full.tolist()), tuple(blocks[stays].unique().tolist()))
+        return by_size[bs]
 
     def apply_write(self, slots: torch.Tensor, quantize: Callable[[WritePlan], None],
                     store: Callable[[torch.Tensor], None]) -> None:
@@ -88,12 +100,12 @@ class PackedLayerCache:
         their rows at ``slot_of``. Filled blocks go first, so the slots they free serve the blocks
         opened now, and a prompt spanning many blocks needs no more slots than the blocks it leaves open."""
         plan = self.plan_write(slots)
-        if plan.full.numel():
+        if plan.full_blocks:
             quantize(plan)
-            for block in plan.full.tolist():
+            for block in plan.full_blocks:
                 self.release(block)
-        if bool(plan.stays.any()):
-            for block in (slots[plan.stays] // self.block_size).unique().tolist():
+        if plan.open_blocks:
+            for block in plan.open_blocks:
                 self._open(block)
             store(plan.stays)
 
