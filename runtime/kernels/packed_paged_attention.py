@@ -133,8 +133,9 @@ def packed_paged_attention_kernel(
     offs_p = tl.arange(0, BLOCK_P)
     p_ok = offs_p < HEAD_DIM // (8 // BITS)
     HALF: tl.constexpr = HEAD_DIM // 2
-    offs_dr = (offs_d + HALF) % HEAD_DIM  # rotate-half partners (ROPE)
-    offs_pr = (offs_p + HALF // (8 // BITS)) % (HEAD_DIM // (8 // BITS))
+    if ROPE:  # rotate-half partners: channel (d + D/2) % D, in byte (p + D/2/per) % (D/per)
+        offs_dr = (offs_d + HALF) % HEAD_DIM
+        offs_pr = (offs_p + HALF // (8 // BITS)) % (HEAD_DIM // (8 // BITS))
     first_pos = ctx - q_len
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -185,14 +186,14 @@ def packed_paged_attention_kernel(
             code_rows = blk * stride_cb + off * stride_cs + kvh * stride_ch
             res_rows = rslot * stride_rb + off * stride_rs + kvh * stride_rh
             par_rows = blk * stride_kpb + kvh * stride_kph
+            vc, vr = _tile_rows(v_codes_ptr, v_residual_ptr, code_rows, res_rows, offs_p, offs_d, closed, opened,
+                                p_ok, d_ok, BITS, BLOCK_N, BLOCK_D)
             k = _any_block_keys(k_codes_ptr, k_residual_ptr, k_scale_ptr, k_min_ptr, code_rows, res_rows, par_rows,
                                 offs_p, offs_d, closed, opened, p_ok, d_ok, BITS, BLOCK_N, BLOCK_D)
             if ROPE:
                 kp = _any_block_keys(k_codes_ptr, k_residual_ptr, k_scale_ptr, k_min_ptr, code_rows, res_rows,
                                      par_rows, offs_pr, offs_dr, closed, opened, p_ok, d_ok, BITS, BLOCK_N, BLOCK_D)
                 k = _rotate_keys(k, kp, offs_j, offs_d, d_ok, inv_freq_ptr, rope_scaling, HALF)
-            vc, vr = _tile_rows(v_codes_ptr, v_residual_ptr, code_rows, res_rows, offs_p, offs_d, closed, opened,
-                                p_ok, d_ok, BITS, BLOCK_N, BLOCK_D)
             v_par = blk * stride_vpb + off * stride_vps + kvh
             v = vc * tl.load(v_scale_ptr + v_par, mask=closed, other=0.0).to(tl.float32)[:, None] \
                 + tl.load(v_min_ptr + v_par, mask=closed, other=0.0).to(tl.float32)[:, None]
