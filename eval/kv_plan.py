@@ -157,13 +157,17 @@ def layer_bytes(config: dict, kv_dtype: str, window: int | None, ctx: int) -> tu
     return full, per_layer.get("sliding", full)
 
 
+def original_bytes(config: dict, ctx: int) -> float:
+    """KV bytes per token at ``ctx`` of the checkpoint's own layout in bf16: what a budget is a fraction of."""
+    return layer_bytes(config, "bf16", None, ctx)[0] * int(config["num_hidden_layers"])
+
+
 def candidates(config: dict, ctx: int, budget_bytes: float | None, ranking: dict[int, list[int]],
-               dtypes: tuple[str, ...] = PLAN_DTYPES) -> list[Candidate]:
+               original: float, dtypes: tuple[str, ...] = PLAN_DTYPES) -> list[Candidate]:
     """Every choice to serve, with its bytes: per dtype, full attention, and per window the most
     full layers the budget allows (without a budget: a ladder of full-layer counts). ``ranking[W]``:
-    the layers by attention mass beyond W, most first."""
+    the layers by attention mass beyond W, most first; ``original``: ``original_bytes``."""
     n = int(config["num_hidden_layers"])
-    original = layer_bytes(config, "bf16", None, ctx)[0] * n
     out = []
     for dtype in dtypes:
         cost = {w: layer_bytes(config, dtype, w, ctx) for w in (None, *ranking)}  # (full, sliding) per layer
@@ -232,10 +236,10 @@ def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase
     dev_text = f"{source} tokens [{CALIB_SEQS * ctx}, {(CALIB_SEQS + DEV_WINDOWS) * ctx})"
     progress(f"ranking layers by attention mass beyond windows {list(windows)} on {calibration}")
     ranking = rank_layers(ckpt.path, calib_ids, windows) if windows else {}
-    original_bytes = layer_bytes(config, "bf16", None, ctx)[0] * n
+    original = original_bytes(config, ctx)
     original_ppl = served_perplexity(ckpt.path, config, "bf16", dev, dev_text, ctx)
-    progress(f"original (bf16 KV): {original_bytes:,.0f} B/token @{ctx}, dev ppl {original_ppl:.3f}")
-    todo = candidates(config, ctx, None if budget is None else budget * original_bytes, ranking, dtypes)
+    progress(f"original (bf16 KV): {original:,.0f} B/token @{ctx}, dev ppl {original_ppl:.3f}")
+    todo = candidates(config, ctx, None if budget is None else budget * original, ranking, original, dtypes)
     if not todo:
         raise KvslimError(f"no KV plan fits {budget:g} of the original's bytes at context {ctx} (the smallest: "
                           f"{min(dtypes, key=_bits)} with every layer sliding over the shortest window)")
@@ -256,7 +260,7 @@ def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase
         if chosen is None:
             raise KvslimError(f"no KV plan stays within +{100 * max_ppl_increase:g}% dev perplexity "
                               f"(the best: {min(served, key=lambda c: c.dev_ppl).dev_ppl:.3f} vs {original_ppl:.3f})")
-    return KvPlan(ctx, budget, max_ppl_increase, n, original_bytes, original_ppl, chosen, tuple(served),
+    return KvPlan(ctx, budget, max_ppl_increase, n, original, original_ppl, chosen, tuple(served),
                   calibration, dev_text)
 
 

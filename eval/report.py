@@ -123,8 +123,9 @@ def measure(name: str, ckpt: Path, s: ReportSettings, use_cache: bool = True,
 
     config = json.loads((ckpt / "config.json").read_text())
     chosen = KV_CACHE_DTYPES[kv_cache_dtype]
-    kv_dtype = chosen or served_kv_dtype(config, ckpt)
-    static = has_static_kv_scales(ckpt) and kv_dtype == served_kv_dtype(config)
+    served = served_kv_dtype(config, ckpt)
+    kv_dtype = chosen or served
+    static = has_static_kv_scales(ckpt) and kv_dtype == served
     kv = report_variant(name, config, kv_dtype, s.kv_budget_bytes, s.seq_len, static_scales=static)
     plan = EvalPlan.make(list(s.tasks), s.limit, s.perplexity_tokens, 8, s.dtype,
                          kv_cache_dtype=kv_cache_dtype, context=s.context)

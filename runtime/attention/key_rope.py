@@ -39,7 +39,7 @@ def rope_frequencies(rope: Any, head_dim: int, max_position_embeddings: int) -> 
 def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """positions ``[...]`` -> ``(cos, sin)`` each ``[..., head_dim]`` in ``dtype`` (angles in fp32)."""
-    freqs = positions.float()[..., None] * inv_freq.to(positions.device)
+    freqs = positions.float()[..., None] * inv_freq.to(positions.device)  # a no-op when already there
     emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
@@ -81,9 +81,8 @@ class KeyRope:
     def rotate(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Cached keys ``[..., kv_heads, head_dim]`` at ``positions [...]`` rotated in fp32, returned in
         k's dtype (the read of a layout that stores keys before RoPE)."""
-        cos, sin = rotary_cos_sin(positions, self.inv_freq_tensor, self.scaling, torch.float32)
+        cos, sin = rotary_cos_sin(positions, self.inv_freq_on(positions.device), self.scaling, torch.float32)
         return apply_rotary(k.float(), cos.unsqueeze(-2), sin.unsqueeze(-2)).to(k.dtype)
-
 
 
 class StepKeyRotary:
@@ -100,6 +99,6 @@ class StepKeyRotary:
             return k
         key = (rope, k.dtype)
         if key not in self._cos_sin:
-            cos, sin = rotary_cos_sin(self.positions, rope.inv_freq_tensor, rope.scaling, k.dtype)
+            cos, sin = rotary_cos_sin(self.positions, rope.inv_freq_on(self.positions.device), rope.scaling, k.dtype)
             self._cos_sin[key] = cos.unsqueeze(-2), sin.unsqueeze(-2)
         return apply_rotary(k, *self._cos_sin[key])

@@ -7,5 +7,6 @@ KV_CACHE_DTYPES: dict[str, str | None] = {
     "int4": "int4", "int2": "int2",
 }
 KV_CACHE_DTYPE_HELP = ("KV cache dtype: auto (the checkpoint's kv_cache_scheme, else its KV plan's, else the "
-                       "activation dtype), fp32/bf16/fp16, fp8 or int8 (per token and head), int4 or int2 (keys per channel over "
-                       "64-token blocks, int2 keys before RoPE, values per token; the block being filled stays exact)")
+                       "activation dtype), fp32/bf16/fp16, fp8 or int8 (per token and head), int4 or int2 (keys "
+                       "per channel over 64-token blocks, int2 keys before RoPE, values per token; the block being "
+                       "filled stays exact)")

@@ -34,8 +34,8 @@ class WritePlan:
     full: torch.Tensor  # [n] sorted blocks whose last offset the write holds
     src: torch.Tensor  # [n, block_size] int64: the write's row at each offset, -1 for the block's residual row
     stays: torch.Tensor  # [T] bool: rows of blocks the write leaves open
-    full_blocks: tuple[int, ...] = ()  # ``full`` as ints
-    open_blocks: tuple[int, ...] = ()  # the blocks of the rows that stay open
+    full_blocks: tuple[int, ...]  # ``full`` as ints (read once, not per layer)
+    open_blocks: tuple[int, ...]  # the blocks of the rows that stay open
 
 
 # Every layer of a cache group receives the same slot_mapping tensor in a step, and a plan depends on

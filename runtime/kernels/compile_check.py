@@ -111,8 +111,7 @@ def _attention_variants() -> list[KernelVariant]:
         ptrs = {"q_ptr": f"*{qd}", "k_cache_ptr": f"*{cd}", "v_cache_ptr": f"*{cd}",
                 "k_scale_ptr": "*fp32" if quant else f"*{cd}", "v_scale_ptr": "*fp32" if quant else f"*{cd}",
                 "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "query_start_ptr": "*i32",
-                "out_ptr": "*fp32" if splits > 1 else f"*{qd}", "lse_ptr": "*fp32" if splits > 1 else f"*{qd}",
-                "inv_freq_ptr": "*fp32"}
+                "out_ptr": "*fp32" if splits > 1 else f"*{qd}", "lse_ptr": "*fp32" if splits > 1 else f"*{qd}"}
         consts = dict(QPK=qpk, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=block_m, BLOCK_Q=block_m // qpk,
                       BLOCK_N=32 if d <= 128 else 16, NUM_SPLITS=splits, KV_QUANT=quant,
                       SCALE_PER_TOKEN=per_token, USE_WINDOW=window, USE_SOFTCAP=softcap)

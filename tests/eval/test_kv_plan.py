@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from eval.kv_plan import KvChoice, candidates, layer_bytes, plan_kv, write_planned_checkpoint
+from eval.kv_plan import KvChoice, candidates, layer_bytes, original_bytes, plan_kv, write_planned_checkpoint
 from foundation.checkpoint import Checkpoint
 from foundation.errors import KvslimError
 from foundation.kv_plan_file import PLAN_FILE, planned_kv_dtype, read_plan
@@ -27,9 +27,10 @@ def test_layer_bytes_are_the_allocators(tiny_llama):
 @pytest.mark.parametrize("budget", [0.9, 0.5, 0.3, 0.2])
 def test_no_candidate_exceeds_its_budget(tiny_llama, budget):
     config = Checkpoint.open(tiny_llama).config
-    original = layer_bytes(config, "bf16", None, CTX)[0] * 4
+    original = original_bytes(config, CTX)
+    assert original == layer_bytes(config, "bf16", None, CTX)[0] * 4
     ranking = {w: [3, 1, 0, 2] for w in WINDOWS}
-    cands = candidates(config, CTX, budget * original, ranking)
+    cands = candidates(config, CTX, budget * original, ranking, original)
     assert cands, budget
     for c in cands:
         assert c.kv_bytes_per_token <= budget * original

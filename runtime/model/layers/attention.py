@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from runtime.attention.backend import AttentionBackend
-from runtime.model.layers.rotary import apply_rotary
+from runtime.attention.key_rope import apply_rotary
 
 
 class Attention(nn.Module):

@@ -1,13 +1,12 @@
-"""Rotary position embeddings (rotate-half convention, as transformers applies them)."""
+"""The decoder's rotary embedding: cos/sin of a step's positions per rope (the math in
+``runtime.attention.key_rope``, shared with the backends' key rotation)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from runtime.attention.key_rope import apply_rotary, rope_frequencies, rotary_cos_sin
+from runtime.attention.key_rope import rope_frequencies, rotary_cos_sin
 from runtime.model.spec import RopeSpec
-
-__all__ = ["RotaryEmbedding", "apply_rotary", "rope_frequencies"]
 
 
 class RotaryEmbedding(nn.Module):

@@ -36,7 +36,8 @@ def test_cached_keys_rotate_as_transformers():
 def test_the_steps_keys_rotate_as_the_decoders_queries():
     """A layout that rotates on write must store exactly what the decoder rotated before keys moved
     into the backend: cos/sin rounded to the keys' dtype, then the rotation in that dtype."""
-    from runtime.model.layers.rotary import RotaryEmbedding, apply_rotary
+    from runtime.attention.key_rope import apply_rotary
+    from runtime.model.layers.rotary import RotaryEmbedding
 
     k = torch.randn(7, 2, 16).bfloat16()
     positions = torch.tensor([0, 1, 2, 40, 41, 300, 301])
