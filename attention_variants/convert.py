@@ -22,7 +22,6 @@ from foundation.attention_layout import KV_SOURCE_KEY, SINKS_KEY, AttentionLayou
 from foundation.calibration import CalibrationSpec, calibration_ids
 from foundation.checkpoint import Checkpoint, ShardWriter, write_config
 from foundation.errors import KvslimError, UnsupportedArchitecture
-from foundation.kv_plan_file import PLAN_FILE
 from foundation.texts import DEFAULT_CALIB
 
 NATIVE_HYBRID = ("qwen2", "qwen3", "gemma3_text")  # transformers honours layer_types for these
@@ -212,8 +211,7 @@ def convert(
         for name, tensor in weights.items():
             writer.add(name, tensor)
         writer.close()
-        ckpt.copy_side_files(tmp)
-        (tmp / PLAN_FILE).unlink(missing_ok=True)  # a KV plan describes the layout it was made for
+        ckpt.copy_side_files(tmp, kv_plan=False)  # a KV plan describes the layout it was made for
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
         if "auto_map" in config:

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from foundation.errors import CheckpointError
+from foundation.kv_plan_file import PLAN_FILE
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -25,7 +26,7 @@ GENERATION_CONFIG = "generation_config.json"
 SIDE_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
     "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-    "generation_config.json", "plan.json",  # plan.json: foundation.kv_plan_file
+    "generation_config.json",
 )
 
 
@@ -146,9 +147,10 @@ class Checkpoint:
         except ValueError as e:
             raise CheckpointError(f"{gen}: invalid JSON ({e})") from None
 
-    def copy_side_files(self, out: Path) -> None:
-        """Carry tokenizer and generation config over to ``out``."""
-        for name in SIDE_FILES:
+    def copy_side_files(self, out: Path, kv_plan: bool = True) -> None:
+        """Carry tokenizer and generation config over to ``out``, and the KV plan unless ``kv_plan``
+        is False (a rewrite of the attention: the plan describes the layout it was made for)."""
+        for name in SIDE_FILES + ((PLAN_FILE,) if kv_plan else ()):
             src = self.path / name
             if src.is_file():
                 shutil.copy2(src, out / name)

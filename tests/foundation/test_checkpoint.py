@@ -124,3 +124,17 @@ def test_a_killed_writers_temp_dir_is_swept_by_the_next_write(tmp_path):
         running.kill()
         running.wait()
     assert (out / "x").read_text() == "done"
+
+
+def test_side_files_carry_the_kv_plan_unless_the_attention_is_rewritten(tmp_path):
+    """quantize and heal keep the layout, so the plan still holds; convert rewrites it, so the plan stays behind."""
+    src = tmp_path / "src"
+    _write_ckpt(src, {"w": torch.zeros(2)})
+    (src / "tokenizer.json").write_text("{}")
+    (src / "plan.json").write_text('{"kv_cache_dtype": "int4"}')
+    ckpt = Checkpoint.open(src)
+    for kv_plan in (True, False):
+        out = tmp_path / f"out-{kv_plan}"
+        out.mkdir()
+        ckpt.copy_side_files(out, kv_plan=kv_plan)
+        assert (out / "tokenizer.json").is_file() and (out / "plan.json").is_file() == kv_plan
