@@ -226,8 +226,8 @@ class PagedAttentionBackend:
         """K, V of ``blocks`` in ``dtype``; keys stored before RoPE rotated at ``key_pos`` in fp32."""
         if rope is None:
             return self.cache.gather(layer_idx, blocks, dtype)
-        kk, vv = self.cache.gather(layer_idx, blocks, torch.float32)
-        return rope.rotate(kk, key_pos).to(dtype), vv.to(dtype)
+        kk, vv = self.cache.layers[layer_idx].gather(blocks, dtype, key_dtype=torch.float32)  # a packed layer
+        return rope.rotate(kk, key_pos).to(dtype), vv
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
         batch = self.batch

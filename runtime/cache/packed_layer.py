@@ -139,16 +139,19 @@ class PackedLayerCache:
         rows[new] = x[plan.src[new]].to(residual.dtype)
         return rows
 
-    def gather(self, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of ``blocks [..., nb]`` -> ``[..., nb * block_size, kvh, D]`` in ``dtype``: open blocks
-        from their residual rows, the rest dequantized."""
+    def gather(self, blocks: torch.Tensor, dtype: torch.dtype,
+               key_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of ``blocks [..., nb]`` -> ``[..., nb * block_size, kvh, D]`` in ``dtype`` (keys in
+        ``key_dtype`` if given: fp32 for keys still to be rotated): open blocks from their residual
+        rows, the rest dequantized."""
         flat = blocks.reshape(-1)
-        k = dequantize_keys(self.k_codes[flat], self.k_scale[flat], self.k_min[flat], self.bits, dtype)
+        key_dtype = key_dtype or dtype
+        k = dequantize_keys(self.k_codes[flat], self.k_scale[flat], self.k_min[flat], self.bits, key_dtype)
         v = dequantize_values(self.v_codes[flat], self.v_scale[flat], self.v_min[flat], self.bits, dtype)
         slot = self.slot_of[flat]
         open_ = slot >= 0
         if bool(open_.any()):
-            k[open_] = self.k_residual[slot[open_]].to(dtype)
+            k[open_] = self.k_residual[slot[open_]].to(key_dtype)
             v[open_] = self.v_residual[slot[open_]].to(dtype)
         shape = (*blocks.shape[:-1], -1, *k.shape[2:])
         return k.reshape(shape), v.reshape(shape)
