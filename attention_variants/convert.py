@@ -1,8 +1,10 @@
-"""`compress convert`: rewrite a checkpoint's attention (GQA/MQA, KV sharing, hybrid sliding, sinks).
+"""`compress convert`: rewrite a checkpoint's attention (GQA/MQA, KV sharing, hybrid sliding, sinks,
+streaming heads).
 
 The rewrites combine in one pass, in this order: merge KV heads, share KV across layers (within
 runs of layers of the same kind), then mark layers local/global, with attention sinks on the
-local ones. The output is a plain HF checkpoint whose config states the new layout; where
+local ones. Streaming heads (sinks + window per KV head, ``attention_variants.streaming_heads``)
+stand alone: they are chosen by scoring the checkpoint's own heads. The output is a plain HF checkpoint whose config states the new layout; where
 transformers cannot express it (KV sharing or sinks anywhere; per-layer windows on
 Llama/Mistral) it also carries our modeling file (``auto_map``).
 """
@@ -10,15 +12,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from attention_variants import gqa, kv_sharing, sliding
 from attention_variants.attention_inputs import AttentionInputs, capture_attention_inputs
 from attention_variants.modeling_files import CAUSAL_LM_CLASSES, KV_SHARING_TYPES, auto_map_for, write_modeling_file
+from attention_variants.streaming_heads import (
+    STREAMING_SELECTS,
+    StreamingSelect,
+    auto_fraction,
+    head_scores,
+    streaming_kv_heads,
+)
 from foundation.architecture import model_type_of
 from foundation.atomic import atomic_output_dir, check_output_dir
-from foundation.attention_layout import KV_SOURCE_KEY, SINKS_KEY, AttentionLayout
+from foundation.attention_layout import KV_SOURCE_KEY, SINKS_KEY, STREAMING_KEY, AttentionLayout
 from foundation.calibration import CalibrationSpec, calibration_ids
 from foundation.checkpoint import Checkpoint, ShardWriter, write_config
 from foundation.errors import KvslimError, UnsupportedArchitecture
@@ -43,6 +53,11 @@ class ConvertSpec:
     global_layers: tuple[int, ...] | None = None
     global_select: sliding.GlobalSelect = "fixed"
     sinks: int = 0  # attention sinks on the sliding layers (the new ones, or the model's own)
+    # streaming heads over ``sliding_window`` + ``sinks``: a fraction of all KV heads (or "auto"),
+    # ranked by ``streaming_select``; or the heads per layer, given (``streaming_set``)
+    streaming_heads: float | Literal["auto"] | None = None
+    streaming_select: StreamingSelect = "mass"
+    streaming_set: tuple[tuple[int, ...], ...] | None = None
     merge: gqa.MergeMethod = "calib"  # GQA merge, and whether KV-sharing readers get fitted maps
     calib: str | None = None  # named text range or file (default wikipedia:calib)
     calib_seqs: int = DEFAULT_CALIB_SEQS
@@ -56,7 +71,12 @@ class ConvertSpec:
         if self.kv_share is not None:
             parts.append(f"KV shared in groups of {self.kv_share} ({self.kv_share_select} supplier, "
                          f"{'fitted' if self.merge == 'calib' else 'plain'} readers)")
-        if self.sliding_window is not None:
+        if self.streams:
+            which = (f"{self.streaming_heads:g} of the KV heads" if isinstance(self.streaming_heads, float)
+                     else "auto share of the KV heads" if self.streaming_heads == "auto" else "given KV heads")
+            how = f", ranked by {self.streaming_select}" if self.streaming_set is None else ""
+            parts.append(f"streaming heads: {which} over window {self.sliding_window}{how}")
+        elif self.sliding_window is not None:
             which = f"layers {list(self.global_layers)}" if self.global_layers is not None else f"1 in {self.global_every}"
             parts.append(f"sliding window {self.sliding_window}, global {which} ({self.global_select})")
         if self.sinks:
@@ -64,9 +84,18 @@ class ConvertSpec:
         return " + ".join(parts)
 
     @property
-    def needs_calibration(self) -> bool:
+    def streams(self) -> bool:
+        """Whether streaming heads are asked for."""
+        return self.streaming_heads is not None or self.streaming_set is not None
+
+    @property
+    def needs_attention_inputs(self) -> bool:
         fitted = self.merge == "calib" and (self.kv_heads is not None or self.kv_share is not None)
         return fitted or self.kv_share_select == "calib" or self.global_select == "calib"
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.needs_attention_inputs or (self.streams and self.streaming_set is None)
 
     @property
     def calibration(self) -> CalibrationSpec:
@@ -90,8 +119,11 @@ def validate(spec: ConvertSpec, config: dict) -> AttentionLayout:
     model_type = model_type_of(config)
     layout = AttentionLayout.from_config(config)
     n_layers, n_heads, n_kv = layout.num_layers, layout.num_heads, layout.num_kv_heads
+    if spec.streams:
+        _validate_streaming(spec, config, layout)
     if spec.kv_heads is None and spec.kv_share is None and spec.sliding_window is None and not spec.sinks:
-        raise KvslimError("nothing to convert: pass --kv-heads N / --mqa, --kv-share K, --sliding-window W or --sinks S")
+        raise KvslimError("nothing to convert: pass --kv-heads N / --mqa, --kv-share K, --sliding-window W, --sinks S "
+                          "or --streaming-heads F")
     if spec.sinks < 0:
         raise KvslimError(f"--sinks {spec.sinks} must be 0 or more")
     if spec.sinks and spec.sliding_window is None and not layout.sliding_layers():
@@ -122,7 +154,7 @@ def validate(spec: ConvertSpec, config: dict) -> AttentionLayout:
             raise KvslimError(f"--sliding-window {w} must be at least 1 and below the model's context ({context})")
         if layout.sliding_layers():
             raise KvslimError("--sliding-window conflicts with the model's existing sliding-window layers")
-        if (spec.global_every is None) == (spec.global_layers is None):
+        if (spec.global_every is None) == (spec.global_layers is None) and not spec.streams:
             raise KvslimError("--sliding-window needs exactly one of --global-every G or --global-layers i,j,...")
         if spec.global_every is not None and not 1 <= spec.global_every <= n_layers:
             raise KvslimError(f"--global-every {spec.global_every} must be between 1 and the model's {n_layers} layers")
@@ -141,6 +173,47 @@ def validate(spec: ConvertSpec, config: dict) -> AttentionLayout:
     return layout
 
 
+def _validate_streaming(spec: ConvertSpec, config: dict, layout: AttentionLayout) -> None:
+    model_type = model_type_of(config)
+    if spec.sliding_window is None:
+        raise KvslimError("--streaming-heads needs --sliding-window W (the window the streaming heads see)")
+    if spec.global_every is not None or spec.global_layers is not None:
+        raise KvslimError("--streaming-heads chooses heads in every layer; drop --global-every / --global-layers")
+    if spec.kv_heads is not None or spec.kv_share is not None:
+        raise KvslimError("--streaming-heads scores the checkpoint's own heads: merge or share KV first, then "
+                          "convert that checkpoint with --streaming-heads")
+    if model_type not in KV_SHARING_TYPES:
+        raise UnsupportedArchitecture(f"--streaming-heads is not supported for model_type {model_type} "
+                                      f"(supported: {', '.join(KV_SHARING_TYPES)})")
+    if layout.sliding_layers() or layout.streaming_layers() or len(layout.cache_owners()) != layout.num_layers:
+        raise KvslimError("--streaming-heads needs a full-attention checkpoint without KV sharing or streaming heads")
+    f = spec.streaming_heads
+    if f is not None and f != "auto" and not (isinstance(f, float) and 0.0 <= f <= 1.0):
+        raise KvslimError(f"--streaming-heads {f}: expected a fraction of the KV heads in [0, 1] or auto")
+    if spec.streaming_select not in STREAMING_SELECTS:
+        raise KvslimError(f"--streaming-select {spec.streaming_select}: expected one of {', '.join(STREAMING_SELECTS)}")
+    if spec.streaming_set is not None and (len(spec.streaming_set) != layout.num_layers or any(
+            not all(0 <= h < layout.num_kv_heads for h in hs) for hs in spec.streaming_set)):
+        raise KvslimError(f"streaming heads: need one list of KV heads in [0, {layout.num_kv_heads}) per layer")
+
+
+def choose_streaming_heads(ckpt: Checkpoint, spec: ConvertSpec) -> tuple[tuple[int, ...], ...]:
+    """Per layer, the KV heads that stream: ``spec.streaming_set``, or the lowest-scored fraction."""
+    from transformers import AutoModelForCausalLM
+
+    if spec.streaming_set is not None:
+        return spec.streaming_set
+    layout = AttentionLayout.from_config(ckpt.config)
+    fraction = spec.streaming_heads
+    if fraction == "auto":
+        fraction = auto_fraction(layout.num_heads, layout.num_kv_heads)
+    calibration = replace(spec.calibration, seq_len=max(spec.calib_seq_len, spec.sliding_window + 512))
+    ids = calibration_ids(ckpt.path, calibration)
+    model = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.float32).eval()
+    scores = head_scores(model, ids, spec.sliding_window, spec.sinks)
+    return streaming_kv_heads(scores[spec.streaming_select], fraction)
+
+
 def calibrate(ckpt: Checkpoint, spec: ConvertSpec) -> AttentionInputs:
     """Capture the original model's attention inputs (and far attention mass, if needed)."""
     from transformers import AutoModelForCausalLM
@@ -155,10 +228,19 @@ def calibrate(ckpt: Checkpoint, spec: ConvertSpec) -> AttentionInputs:
 
 
 def rewrite(
-    weights: dict[str, torch.Tensor], config: dict, spec: ConvertSpec, calib: AttentionInputs | None
+    weights: dict[str, torch.Tensor], config: dict, spec: ConvertSpec, calib: AttentionInputs | None,
+    streaming: tuple[tuple[int, ...], ...] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict]:
-    """Apply the rewrites to in-memory weights and config; return the new ones."""
+    """Apply the rewrites to in-memory weights and config; return the new ones. ``streaming``:
+    per layer, the KV heads that stream (``choose_streaming_heads``)."""
     config = dict(config)
+    if streaming is not None:
+        config[STREAMING_KEY] = {"window": spec.sliding_window, "sinks": spec.sinks,
+                                 "kv_heads": [list(hs) for hs in streaming]}
+        layout = AttentionLayout.from_config(config)
+        config.update(layout.config_updates())
+        config["auto_map"] = auto_map_for(config["model_type"])
+        return weights, config
     n_layers = int(config["num_hidden_layers"])
     if spec.kv_heads is not None:
         weights = gqa.merge_kv_heads(weights, config, spec.kv_heads, spec.merge, calib)
@@ -200,12 +282,13 @@ def convert(
     check_output_dir(Path(out), force)
     if spec.global_select == "calib" and spec.calib_seq_len <= (spec.sliding_window or 0):
         spec = replace(spec, calib_seq_len=spec.sliding_window + 512)
-    if calib is None and spec.needs_calibration:
+    if calib is None and spec.needs_attention_inputs:
         calib = calibrate(ckpt, spec)
+    streaming = choose_streaming_heads(ckpt, spec) if spec.streams else None
     if spec.sliding_window is not None and spec.global_select == "calib" and calib.window != spec.sliding_window:
         raise KvslimError(f"calibration measured attention beyond window {calib.window}, not {spec.sliding_window}")
     weights = dict(ckpt.iter_tensors())
-    weights, config = rewrite(weights, ckpt.config, spec, calib)
+    weights, config = rewrite(weights, ckpt.config, spec, calib, streaming)
     with atomic_output_dir(out, force) as tmp:
         writer = ShardWriter(tmp)
         for name, tensor in weights.items():
@@ -217,4 +300,8 @@ def convert(
         if "auto_map" in config:
             write_modeling_file(tmp)
         write_config(tmp, config)
-    return ConvertResult(Path(out), before, AttentionLayout.from_config(config), calib.describe() if calib else None)
+    described = calib.describe() if calib else None
+    if streaming is not None and spec.streaming_set is None:
+        c = replace(spec.calibration, seq_len=max(spec.calib_seq_len, spec.sliding_window + 512))
+        described = f"{c.num_samples} x {c.seq_len} tokens of {c.source} (head scores: {spec.streaming_select})"
+    return ConvertResult(Path(out), before, AttentionLayout.from_config(config), described)

@@ -55,8 +55,12 @@ def print_summary(source: Path, result, spec, eval_tokens: int) -> None:
         print(f"  calibration: {result.calibration}")
     owners = len(after.cache_owners())
     sinks = max((l.sinks for l in after.layers), default=0)
+    streaming = [l.streaming for l in after.layers if l.streaming is not None]
+    heads = sum(s.num_kv_heads for s in streaming)
+    streams = (f", {heads}/{after.num_layers * after.num_kv_heads} KV heads streaming (window {streaming[0].window} + "
+               f"{streaming[0].sinks} sinks) in {len(streaming)} layers") if streaming else ""
     print(f"  layout: {after.num_kv_heads} KV heads, {owners}/{after.num_layers} layers own a cache, "
-          f"{len(after.sliding_layers())} sliding{f' ({sinks} sinks)' if sinks else ''}")
+          f"{len(after.sliding_layers())} sliding{f' ({sinks} sinks)' if sinks else ''}{streams}")
     if sinks and before.sliding_layers():
         print("  note: this model was trained with these sliding windows and never saw sinks there; measure before "
               "serving (Gemma-3-270M at context 2,048: wikipedia:eval perplexity 19.08 -> 127.9, BENCHMARKS.md)")

@@ -125,6 +125,11 @@ def format_inspection(ins: Inspection, per_layer: bool = False) -> str:
                      f"{sliding}; full attention on {lay.num_layers - len(sliding)}")
     else:
         lines.append("  full attention on every layer")
+    streaming = [l.streaming for l in lay.layers if l.streaming is not None]
+    if streaming:
+        lines.append(f"  streaming heads: {lay.num_streaming_kv_heads} of {lay.num_layers * lay.num_kv_heads} KV heads "
+                     f"({len(streaming)} layers) attend to {streaming[0].sinks} sinks + the last {streaming[0].window} "
+                     "tokens; the rest to everything")
     owners = lay.cache_owners()
     if len(owners) < lay.num_layers:
         shared = {i: l.kv_source for i, l in enumerate(lay.layers) if l.kv_source != i}
@@ -145,6 +150,14 @@ def format_inspection(ins: Inspection, per_layer: bool = False) -> str:
         fp8s = ins.kv_bytes_per_token(ctx, 1, 4)
         lines.append(f"KV cache per token at context {ctx}: bf16 {bf16 / 1024:,.2f} KiB, fp8 {fp8 / 1024:,.2f} KiB "
                      f"(+ fp32 per-token-head scales: {fp8s / 1024:,.2f} KiB)")
+    groups = lay.cache_groups()
+    if len(groups) > 1:
+        ctx = contexts[0]
+        lines.append(f"KV cache groups (bf16, per token at context {ctx}):")
+        for (kind, window, sinks, kvh), entries in groups.items():
+            span = "full" if window is None else f"window {window}" + (f" + {sinks} sinks" if sinks else "")
+            lines.append(f"  {span}, {kvh} KV head{'s' if kvh > 1 else ''} x {len(entries)} entries: "
+                         f"{lay.kv_bytes_per_token(ctx, 2, entries=entries):,.0f} B/token")
     plan = ins.kv_plan
     if plan is not None:
         dev = ""

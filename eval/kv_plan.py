@@ -2,17 +2,18 @@
 chosen by measurement, written with the checkpoint as ``plan.json``.
 
 The choices, at context N (default 2,048): the KV dtype (bf16, int8, int4, int2: one per cache,
-as the runtime holds it), whether layers slide (a window W of 1,024, 512 or 256 below N, with 4
-attention sinks), and which layers stay full. Layers are ranked by the global-layer calibration
-``compress convert --global-select calib`` uses (each layer's attention mass beyond W on
-calibration windows of N tokens, sink keys counted as lost), measured for every W in one eager
-pass. For each dtype and window, the budget allows a number of full layers (bytes per token
-counted by allocating the paged cache for one N-token sequence, as ``kv_report`` does); every such
-candidate is then *served* (the runtime's paged cache, really quantized and read back) on a dev
-slice of the calibration text that no calibration window covers. With a budget the lowest dev
-perplexity under it wins; with ``--max-ppl-increase`` the fewest bytes within P of the original's
-dev perplexity (candidates served in order of bytes until one passes). Per-head choices
-(streaming heads) are not planned.
+as the runtime holds it), whether attention slides (a window W of 1,024, 512 or 256 below N, with
+4 attention sinks), and which layers, or which KV heads (streaming heads), stay full. Layers are
+ranked by the global-layer calibration ``compress convert --global-select calib`` uses (each
+layer's attention mass beyond W on calibration windows of N tokens, sink keys counted as lost),
+measured for every W in one eager pass; KV heads by the same mass per head
+(``attention_variants.streaming_heads``, the score ``--streaming-heads`` ranks by). For each dtype
+and window, the budget allows a number of full layers, and a number of full KV heads (bytes per
+token counted by allocating the paged cache for one N-token sequence, as ``kv_report`` does);
+every such candidate is then *served* (the runtime's paged cache, really quantized and read back)
+on a dev slice of the calibration text that no calibration window covers. With a budget the
+lowest dev perplexity under it wins; with ``--max-ppl-increase`` the fewest bytes within P of the
+original's dev perplexity (candidates served in order of bytes until one passes).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from typing import Callable
 import torch
 
 from attention_variants.convert import DEFAULT_SINKS, ConvertSpec, convert
-from foundation.attention_layout import FULL, SINKS_KEY, SLIDING, AttentionLayout
+from foundation.attention_layout import FULL, SINKS_KEY, SLIDING, STREAMING_KEY, AttentionLayout
 from foundation.calibration import CalibrationSpec, load_tokenizer, token_windows
 from foundation.checkpoint import Checkpoint
 from foundation.errors import KvslimError
@@ -51,10 +52,14 @@ class KvChoice:
     window: int | None = None  # None: every layer full
     global_layers: tuple[int, ...] = ()  # with a window: the layers kept full
     sinks: int = 0
+    streaming: tuple[tuple[int, ...], ...] | None = None  # per layer, the KV heads streaming (else by layer)
 
     def describe(self, num_layers: int) -> str:
         if self.window is None:
             return f"{self.kv_dtype} KV, full attention"
+        if self.streaming is not None:
+            n = sum(map(len, self.streaming))
+            return f"{self.kv_dtype} KV, {n} KV heads streaming over {self.sinks} sinks + window {self.window}"
         return (f"{self.kv_dtype} KV, sliding {self.window} + {self.sinks} sinks, "
                 f"{len(self.global_layers)} of {num_layers} layers full")
 
@@ -62,6 +67,9 @@ class KvChoice:
         """``base`` with this choice's layout (no change without a window)."""
         if self.window is None:
             return dict(base)
+        if self.streaming is not None:
+            heads = [list(h) for h in self.streaming]
+            return {**base, STREAMING_KEY: {"window": self.window, "sinks": self.sinks, "kv_heads": heads}}
         n = int(base["num_hidden_layers"])
         types = [FULL if i in self.global_layers else SLIDING for i in range(n)]
         return {**base, "sliding_window": self.window, "layer_types": types, SINKS_KEY: self.sinks}
@@ -104,7 +112,8 @@ class KvPlan:
             "choice": c.choice.describe(self.num_layers),
             "sliding_window": c.choice.window,
             "sinks": c.choice.sinks,
-            "global_layers": list(c.choice.global_layers) if c.choice.window else None,
+            "global_layers": list(c.choice.global_layers) if c.choice.window and c.choice.streaming is None else None,
+            "streaming_kv_heads": [list(h) for h in c.choice.streaming] if c.choice.streaming else None,
             "kv_bytes_per_token": round(c.kv_bytes_per_token, 1),
             "original_kv_bytes_per_token": round(self.original_kv_bytes_per_token, 1),
             "times_smaller": round(c.times_smaller, 3),
@@ -133,9 +142,9 @@ def check_request(config: dict, budget: float | None, max_ppl_increase: float | 
     if ctx < 2 or (positions and ctx > positions):
         raise KvslimError(f"--ctx {ctx} must be between 2 and the model's context ({positions})")
     layout = AttentionLayout.from_config(config)
-    if layout.sliding_layers() or any(l.kv_source != i for i, l in enumerate(layout.layers)):
+    if layout.sliding_layers() or layout.streaming_layers() or len(layout.cache_owners()) != layout.num_layers:
         raise KvslimError("--kv-budget plans from a full-attention checkpoint without KV sharing "
-                          "(this one has sliding or KV-sharing layers)")
+                          "(this one has sliding, streaming-head or KV-sharing layers)")
     return layout
 
 
@@ -162,16 +171,56 @@ def original_bytes(config: dict, ctx: int) -> float:
     return layer_bytes(config, "bf16", None, ctx)[0] * int(config["num_hidden_layers"])
 
 
+def allocated_bytes(config: dict, kv_dtype: str, ctx: int) -> float:
+    """KV bytes per token at ``ctx`` of ``config``'s layout, counted from a real allocation holding
+    one ``ctx``-token sequence."""
+    from runtime.cache.kv_report import report_variant
+
+    layout = AttentionLayout.from_config(config)
+    budget = 2 * ctx * layout.kv_bytes_per_token(ctx, 4.0) + (64 << 20)
+    return report_variant("plan", config, kv_dtype, int(budget), seq_len=ctx).counted_bytes_per_token
+
+
+def head_candidates(config: dict, ctx: int, budget_bytes: float | None, head_ranking: dict[int, list[tuple[int, int]]],
+                    original: float, dtype: str, layer_counts: dict[int, list[int]]) -> list[Candidate]:
+    """Streaming-head choices for one dtype: per window, the most full KV heads the budget allows
+    (without a budget: the full-layer ladder's counts in heads), the others streaming;
+    ``head_ranking[W]``: (layer, head) by attention mass beyond W, most first. Bytes by allocation."""
+    n, kvh = int(config["num_hidden_layers"]), int(config.get("num_key_value_heads") or config["num_attention_heads"])
+    out = []
+    for w, ranked in head_ranking.items():
+        f, s = layer_bytes(config, dtype, w, ctx)
+        if budget_bytes is None:
+            counts = [g * kvh for g in layer_counts[w]]
+        else:
+            most = math.floor((budget_bytes - n * s) * kvh / (f - s)) if f > s else n * kvh - 1
+            counts = [min(most, n * kvh - 1)] if most >= 0 else []
+        for k in counts:
+            while k >= 0:
+                full = set(ranked[:k])
+                streaming = tuple(tuple(h for h in range(kvh) if (layer, h) not in full) for layer in range(n))
+                choice = KvChoice(dtype, w, (), PLAN_SINKS, streaming)
+                nbytes = allocated_bytes(choice.config(config), dtype, ctx)
+                if budget_bytes is None or nbytes <= budget_bytes:
+                    out.append(Candidate(choice, nbytes, original / nbytes))
+                    break
+                k -= 1  # block rounding: one head fewer
+    return out
+
+
 def candidates(config: dict, ctx: int, budget_bytes: float | None, ranking: dict[int, list[int]],
-               original: float, dtypes: tuple[str, ...] = PLAN_DTYPES) -> list[Candidate]:
+               original: float, dtypes: tuple[str, ...] = PLAN_DTYPES,
+               head_ranking: dict[int, list[tuple[int, int]]] | None = None) -> list[Candidate]:
     """Every choice to serve, with its bytes: per dtype, full attention, and per window the most
-    full layers the budget allows (without a budget: a ladder of full-layer counts). ``ranking[W]``:
-    the layers by attention mass beyond W, most first; ``original``: ``original_bytes``."""
+    full layers the budget allows (without a budget: a ladder of full-layer counts), and with
+    ``head_ranking`` the most full KV heads (``head_candidates``). ``ranking[W]``: the layers by
+    attention mass beyond W, most first; ``original``: ``original_bytes``."""
     n = int(config["num_hidden_layers"])
     out = []
     for dtype in dtypes:
         cost = {w: layer_bytes(config, dtype, w, ctx) for w in (None, *ranking)}  # (full, sliding) per layer
         options = [KvChoice(dtype)]
+        layer_counts = {}
         for w, ranked in ranking.items():
             f, s = cost[w]
             if budget_bytes is None:
@@ -179,6 +228,7 @@ def candidates(config: dict, ctx: int, budget_bytes: float | None, ranking: dict
             else:
                 most = math.floor((budget_bytes - n * s) / (f - s)) if f > s else n - 1
                 counts = [min(most, n - 1)] if most >= 0 else []
+            layer_counts[w] = counts
             options += [KvChoice(dtype, w, tuple(sorted(ranked[:g])), PLAN_SINKS) for g in counts]
         for choice in options:
             g = len(choice.global_layers) if choice.window else n
@@ -186,7 +236,24 @@ def candidates(config: dict, ctx: int, budget_bytes: float | None, ranking: dict
             nbytes = g * f + (n - g) * s
             if budget_bytes is None or nbytes <= budget_bytes:
                 out.append(Candidate(choice, nbytes, original / nbytes))
+        if head_ranking:
+            out += head_candidates(config, ctx, budget_bytes, head_ranking, original, dtype, layer_counts)
     return sorted(out, key=lambda c: c.kv_bytes_per_token)  # fewest bytes first
+
+
+def rank_heads(model_dir: Path, ids: torch.Tensor, windows: tuple[int, ...]) -> dict[int, list[tuple[int, int]]]:
+    """Per window, the (layer, KV head) pairs by attention mass beyond it on ``ids`` (most first)."""
+    from transformers import AutoModelForCausalLM
+
+    from attention_variants.streaming_heads import head_scores
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = {}
+    for w in windows:
+        mass = head_scores(model, ids, w, PLAN_SINKS)["mass"]
+        kvh = mass.shape[1]
+        out[w] = [divmod(int(i), kvh) for i in mass.flatten().argsort(descending=True, stable=True)]
+    return out
 
 
 def rank_layers(model_dir: Path, ids: torch.Tensor, windows: tuple[int, ...]) -> dict[int, list[int]]:
@@ -221,8 +288,10 @@ def served_perplexity(model_dir: Path, config: dict, kv_dtype: str, ids: torch.T
 
 def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase: float | None = None,
             ctx: int = DEFAULT_PLAN_CTX, calib: str | None = None, windows: tuple[int, ...] = PLAN_WINDOWS,
-            dtypes: tuple[str, ...] = PLAN_DTYPES, progress: Callable[[str], None] = lambda _: None) -> KvPlan:
-    """Choose the KV layout and dtype for ``model_dir`` (see the module docstring)."""
+            dtypes: tuple[str, ...] = PLAN_DTYPES, progress: Callable[[str], None] = lambda _: None,
+            heads: bool = True) -> KvPlan:
+    """Choose the KV layout and dtype for ``model_dir`` (see the module docstring); ``heads``:
+    streaming-head candidates too."""
     ckpt = Checkpoint.open(model_dir)
     config = ckpt.config
     layout = check_request(config, budget, max_ppl_increase, ctx)
@@ -236,10 +305,15 @@ def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase
     dev_text = f"{source} tokens [{CALIB_SEQS * ctx}, {(CALIB_SEQS + DEV_WINDOWS) * ctx})"
     progress(f"ranking layers by attention mass beyond windows {list(windows)} on {calibration}")
     ranking = rank_layers(ckpt.path, calib_ids, windows) if windows else {}
+    head_ranking = None
+    if heads and windows:
+        progress("ranking KV heads by the same mass, per head")
+        head_ranking = rank_heads(ckpt.path, calib_ids, windows)
     original = original_bytes(config, ctx)
     original_ppl = served_perplexity(ckpt.path, config, "bf16", dev, dev_text, ctx)
     progress(f"original (bf16 KV): {original:,.0f} B/token @{ctx}, dev ppl {original_ppl:.3f}")
-    todo = candidates(config, ctx, None if budget is None else budget * original, ranking, original, dtypes)
+    todo = candidates(config, ctx, None if budget is None else budget * original, ranking, original, dtypes,
+                      head_ranking)
     if not todo:
         raise KvslimError(f"no KV plan fits {budget:g} of the original's bytes at context {ctx} (the smallest: "
                           f"{min(dtypes, key=_bits)} with every layer sliding over the shortest window)")
@@ -276,6 +350,8 @@ def write_planned_checkpoint(model_dir: str | Path, plan: KvPlan, out: str | Pat
     choice = plan.chosen.choice
     if choice.window is not None:
         spec = ConvertSpec(sliding_window=choice.window, global_layers=choice.global_layers, sinks=choice.sinks)
+        if choice.streaming is not None:
+            spec = ConvertSpec(sliding_window=choice.window, sinks=choice.sinks, streaming_set=choice.streaming)
         return convert(Path(model_dir), spec, Path(out), force=force, extra_files={PLAN_FILE: plan.to_json()}).out
     ckpt = Checkpoint.open(model_dir)
     check_output_dir(Path(out), force)

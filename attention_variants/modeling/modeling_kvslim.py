@@ -7,7 +7,10 @@ configs cannot express:
 - ``num_sink_tokens`` S: sliding layers also attend to the first S tokens (attention sinks), so
   their cache keeps every token (a DynamicCache's sliding layers are swapped for full ones);
 - ``kv_source_layers``: layer ``i`` attends with the (rotated, cached) K/V of layer
-  ``kv_source_layers[i]``; a reader layer has no ``k_proj`` / ``v_proj`` and stores no cache.
+  ``kv_source_layers[i]``; a reader layer has no ``k_proj`` / ``v_proj`` and stores no cache;
+- ``streaming_heads`` ``{"window": W, "sinks": S, "kv_heads": [[h, ...] per layer]}``: the listed
+  KV heads of a layer (DuoAttention's streaming heads) and their query heads attend to the first S
+  and the last W tokens only: one mask per head (the cache keeps every token).
 
 Self-contained on purpose (it travels with checkpoints): imports only torch and transformers.
 """
@@ -37,6 +40,7 @@ _OUTPUT_CACHE = "cache" if "cache" in {f.name for f in dataclasses.fields(BaseMo
 
 KV_SOURCE_KEY = "kv_source_layers"
 SINKS_KEY = "num_sink_tokens"
+STREAMING_KEY = "streaming_heads"
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 
@@ -55,6 +59,25 @@ def _kv_sources(config) -> list[int]:
 
 def _sinks(config) -> int:
     return int(getattr(config, SINKS_KEY, None) or 0)
+
+
+def _streaming(config) -> dict | None:
+    value = getattr(config, STREAMING_KEY, None)
+    return value if value and any(value["kv_heads"]) else None
+
+
+def _every_key(batch_idx, head_idx, q_idx, kv_idx):
+    return kv_idx >= 0
+
+
+def per_head_mask(full: torch.Tensor, streaming: torch.Tensor, streaming_kv_heads, num_heads: int,
+                  num_kv_heads: int) -> torch.Tensor:
+    """``[B, H, Tq, Tk]``: ``streaming``'s mask for the query heads of ``streaming_kv_heads``,
+    ``full``'s for the others (both ``[B, 1, Tq, Tk]``, boolean or additive)."""
+    rep = num_heads // num_kv_heads
+    heads = torch.zeros(num_kv_heads, dtype=torch.bool, device=full.device)
+    heads[list(streaming_kv_heads)] = True
+    return torch.where(heads.repeat_interleave(rep).view(1, -1, 1, 1), streaming, full)
 
 
 def sink_window_overlay(window: int, sinks: int):
@@ -172,11 +195,22 @@ class KvslimModelMixin:
                 masks[SLIDING] = create_causal_mask(**mask_kwargs, and_mask_function=overlay)
             elif SLIDING in types:
                 masks[SLIDING] = create_sliding_window_causal_mask(**mask_kwargs)
+        layer_masks = [masks[t] for t in types]
+        streaming = _streaming(self.config)
+        if streaming is not None and not isinstance(attention_mask, dict):
+            _check_sinks_backend(self.config)  # per-head masks, not a kernel's window
+            full = create_causal_mask(**mask_kwargs, and_mask_function=_every_key)  # a tensor, never skipped
+            local = create_causal_mask(**mask_kwargs, and_mask_function=sink_window_overlay(
+                streaming["window"], streaming["sinks"]))
+            h, kvh = self.config.num_attention_heads, self.config.num_key_value_heads
+            for i, heads in enumerate(streaming["kv_heads"]):
+                if heads:
+                    layer_masks[i] = per_head_mask(full, local, heads, h, kvh)
         hidden = inputs_embeds
         position_embeddings = self.rotary_emb(hidden, position_ids)
         shared_kv: dict = {}
         for i, layer in enumerate(self.layers[: self.config.num_hidden_layers]):
-            hidden = layer(hidden, attention_mask=masks[types[i]], position_embeddings=position_embeddings,
+            hidden = layer(hidden, attention_mask=layer_masks[i], position_embeddings=position_embeddings,
                            position_ids=position_ids, use_cache=use_cache, shared_kv=shared_kv,
                            **{CACHE_ARG: cache}, **kwargs)
         hidden = self.norm(hidden)

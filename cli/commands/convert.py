@@ -1,4 +1,5 @@
-"""`compress convert`: rewrite attention into MQA/GQA, cross-layer KV sharing, hybrid sliding window, sinks."""
+"""`compress convert`: rewrite attention into MQA/GQA, cross-layer KV sharing, hybrid sliding window, sinks,
+streaming heads."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +16,15 @@ def _layer_list(text: str) -> tuple[int, ...]:
     return layers
 
 
+def _fraction_or_auto(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction of the KV heads in [0, 1] or auto, got {text!r}") from None
+
+
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="checkpoint dir, .gguf file, or smollm2 / gemma3-270m")
     p.add_argument("-o", "--out", required=True, help="output checkpoint directory")
@@ -27,13 +37,21 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-share", type=int, metavar="K", help="share K/V in groups of K consecutive layers")
     p.add_argument("--kv-share-select", choices=("first", "calib"), default="first",
                    help="first: fixed groups read from their first layer; calib: place groups by calibration")
-    p.add_argument("--sliding-window", type=int, metavar="W", help="local attention with window W on non-global layers")
+    p.add_argument("--sliding-window", type=int, metavar="W",
+                   help="local attention with window W on non-global layers, or on the streaming heads")
     glob = p.add_mutually_exclusive_group()
     glob.add_argument("--global-every", type=int, metavar="G", help="one global layer in G (layers G-1, 2G-1, ...)")
     glob.add_argument("--global-layers", type=_layer_list, metavar="i,j,...", help="these layers stay global")
     p.add_argument("--sinks", type=int, metavar="S", default=None,
                    help="sliding layers also attend to the first S tokens (attention sinks; default 4 with "
                         "--sliding-window, 0 turns them off)")
+    p.add_argument("--streaming-heads", type=_fraction_or_auto, metavar="FRACTION|auto",
+                   help="this share of all KV heads (lowest-scored on calibration text, across layers) attends to "
+                        "the sinks + the last W tokens only, the rest to everything (DuoAttention); auto: 0.5 for "
+                        "GQA models, 0.75 for MHA")
+    p.add_argument("--streaming-select", choices=("mass", "output"), default="mass",
+                   help="head score: mass = attention beyond the window (sink keys counted lost); output = the "
+                        "layer's attention-output change when the head alone streams")
     p.add_argument("--global-select", choices=("fixed", "calib"), default="fixed",
                    help="calib: choose as many global layers by attention mass beyond W on calibration text")
     p.add_argument("--calib", metavar="TEXT_OR_FILE", help="calibration text: wikipedia:calib (default) or a file")
@@ -76,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
         global_every=args.global_every,
         global_layers=args.global_layers,
         global_select=args.global_select,
+        streaming_heads=args.streaming_heads,
+        streaming_select=args.streaming_select,
         sinks=args.sinks if args.sinks is not None else DEFAULT_SINKS if args.sliding_window else 0,
         merge=args.merge,
         calib=args.calib,
@@ -102,7 +122,8 @@ def _rewrites(args: argparse.Namespace) -> list[str]:
     """The manual rewrite flags given (the planner takes none of them)."""
     given = {"--kv-heads": args.kv_heads, "--mqa": args.mqa or None, "--kv-share": args.kv_share,
              "--sliding-window": args.sliding_window, "--global-every": args.global_every,
-             "--global-layers": args.global_layers, "--sinks": args.sinks, "--heal-steps": args.heal_steps}
+             "--global-layers": args.global_layers, "--sinks": args.sinks, "--heal-steps": args.heal_steps,
+             "--streaming-heads": args.streaming_heads}
     return [flag for flag, value in given.items() if value is not None]
 
 

@@ -1,6 +1,7 @@
 """Paged KV cache: cache groups from an ``AttentionLayout``, tensors allocated per group.
 
-A *cache group* gathers the cache-owning layers that share (kind, window, sinks, kv heads, head
+A *cache group* gathers the cache-owning attention entries (layers, and the streaming heads of a
+layer whose heads are split: ``AttentionLayout.entries``) that share (kind, window, sinks, kv heads, head
 dim, KV dtype); its layers share one block table per sequence (the block manager keeps one pool per
 group), and each layer has its own slot of tensors. Layers that read another layer's KV
 (``kv_source != index``) map to the owner's (group, slot) and allocate nothing.
@@ -58,7 +59,8 @@ def available_memory_bytes() -> int | None:
 
 @dataclass(frozen=True)
 class CacheGroup:
-    """Cache-owning layers with identical cache shape; ``layers[slot]`` is the layer in that slot."""
+    """Cache-owning attention entries with identical cache shape; ``layers[slot]`` is the entry
+    (a layer's index, or a streaming part's) in that slot."""
 
     kind: Literal["full", "sliding"]
     window: int | None
@@ -90,9 +92,10 @@ class KVCacheSpec:
     """Cache groups, the layer -> (group, slot) map, block size and scale mode."""
 
     groups: tuple[CacheGroup, ...]
-    layer_slots: tuple[tuple[int, int], ...]  # per layer: (group index, slot in group)
+    layer_slots: tuple[tuple[int, int], ...]  # per attention entry: (group index, slot in group)
     block_size: int
     static_scales: bool  # quantized KV with per-layer checkpoint scales (no per-token scales)
+    entry_layers: tuple[int, ...] = ()  # per attention entry: its model layer (empty: entry = layer)
 
     @classmethod
     def from_layout(
@@ -106,19 +109,11 @@ class KVCacheSpec:
             raise KvslimError(f"block size must be positive, got {block_size}")
         if static_scales and kv_dtype not in QUANT_DTYPES:
             raise KvslimError(f"static KV scales need a quantized KV dtype, not {kv_dtype}")
-        keys: list[tuple] = []
-        members: dict[tuple, list[int]] = {}
-        for i in layout.cache_owners():
-            l = layout.layers[i]
-            key = (l.kind, l.window, l.num_kv_heads, layout.head_dim, kv_dtype, l.sinks)
-            if key not in members:
-                keys.append(key)
-                members[key] = []
-            members[key].append(i)
-        groups = tuple(CacheGroup(*key[:5], layers=tuple(members[key]), sinks=key[5]) for key in keys)
+        groups = tuple(CacheGroup(kind, window, kvh, layout.head_dim, kv_dtype, layers=tuple(members), sinks=sinks)
+                       for (kind, window, sinks, kvh), members in layout.cache_groups().items())
         owner_slot = {layer: (g, s) for g, grp in enumerate(groups) for s, layer in enumerate(grp.layers)}
-        slots = tuple(owner_slot[l.kv_source] for l in layout.layers)
-        return cls(groups, slots, block_size, static_scales)
+        slots = tuple(owner_slot[l.kv_source] for l in layout.entries)
+        return cls(groups, slots, block_size, static_scales, layout.entry_layers())
 
     @property
     def windows(self) -> tuple[int | None, ...]:
@@ -252,7 +247,7 @@ class KVCache:
                 self.layers.append(self.packed[g][s])
                 continue
             if spec.static_scales:
-                ks, vs = layer_scales[owner]
+                ks, vs = layer_scales[spec.entry_layers[owner] if spec.entry_layers else owner]
                 k_scale = torch.tensor(float(ks), dtype=torch.float32, device=device)
                 v_scale = torch.tensor(float(vs), dtype=torch.float32, device=device)
             else:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -105,12 +105,6 @@ def share_pairs(layer_types: list[str]) -> list[int]:
     return sources
 
 
-def _group_layout(layout: AttentionLayout, layers: tuple[int, ...]) -> AttentionLayout:
-    """The sub-layout of one cache group's layers (each owning its cache), for the formula."""
-    sub = tuple(replace(layout.layers[l], kv_source=i) for i, l in enumerate(layers))
-    return AttentionLayout(layout.num_heads, layout.head_dim, sub)
-
-
 def measure_capacity(spec: KVCacheSpec, num_blocks: tuple[int, ...], seq_len: int) -> tuple[int, list[int]]:
     """Admit ``seq_len``-token sequences until a block allocation fails.
 
@@ -163,7 +157,7 @@ def report_variant(name: str, config: dict, kv_dtype: str, budget_bytes: int, se
     for g, grp in enumerate(spec.groups):
         nbytes = cache.group_nbytes(g) - residual * spec.residual_block_bytes(g, torch.bfloat16)
         slot_bytes = nbytes / (num_blocks[g] * block_size) if num_blocks[g] else 0.0
-        formula = _group_layout(layout, grp.layers).kv_bytes_per_token(seq_len, spec.element_bytes(g), spec.scale_bytes(grp))
+        formula = layout.kv_bytes_per_token(seq_len, spec.element_bytes(g), spec.scale_bytes(grp), list(grp.layers))
         groups.append(GroupReport(grp.kind, grp.window, len(grp.layers), grp.num_kv_heads, kv_dtype,
                                   num_blocks[g], nbytes, formula, slot_bytes * per_seq[g] * block_size / seq_len,
                                   grp.sinks))

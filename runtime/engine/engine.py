@@ -140,7 +140,7 @@ class Engine:
         self.cache = KVCache(self.kv_spec, num_blocks, layer_scales=layer_scales if static else None,
                              residual_blocks=config.max_num_seqs + 1, residual_dtype=model.dtype)
         self.backend = make_attention_backend(
-            config.attention_backend, self.cache, [spec.attention_params(i) for i in range(spec.num_layers)])
+            config.attention_backend, self.cache, spec.all_attention_params())
         self.block_manager = BlockManager(num_blocks, self.block_size, self.kv_spec.windows, config.enable_prefix_caching,
                                           on_free=self.cache.release_block, sinks=self.kv_spec.sinks)
         self.scheduler = Scheduler(

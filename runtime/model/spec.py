@@ -87,10 +87,17 @@ class ModelSpec(ModelShapes):
     def num_kv_heads(self, layer: int) -> int:
         return self.attention.layers[layer].num_kv_heads
 
-    def attention_params(self, layer: int) -> AttentionParams:
-        la = self.attention.layers[layer]
+    def attention_params(self, entry: int) -> AttentionParams:
+        """The backend's constants for attention entry ``entry`` (a layer, or a layer's streaming
+        heads: ``AttentionLayout.entries``)."""
+        la = self.attention.entries[entry]
+        layer = self.attention.entry_layers()[entry]
         rope = KeyRope.of(self.rope[layer], self.head_dim, self.max_position_embeddings)
         return AttentionParams(self.attn_scale, la.window, la.kv_source, self.attn_logit_softcap, la.sinks, rope)
+
+    def all_attention_params(self) -> list[AttentionParams]:
+        """``attention_params`` of every attention entry, in entry order (what a backend takes)."""
+        return [self.attention_params(e) for e in range(len(self.attention.entries))]
 
     @classmethod
     def from_config(cls, config: dict, generation_config: dict | None = None) -> "ModelSpec":

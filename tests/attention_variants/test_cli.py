@@ -72,6 +72,18 @@ BAD = {
     "plan_sliding_model": ("mistral", ["--kv-budget", "0.5", "--ctx", "64"], "full-attention checkpoint"),
     "ctx_without_plan": ("llama", ["--mqa", "--ctx", "64"], "--ctx applies to a KV plan"),
     "plan_quantized": ("quantized", ["--kv-budget", "0.5", "--ctx", "64"], "plan the KV layout on unquantized"),
+    "streaming_without_window": ("llama", ["--streaming-heads", "0.5"], "needs --sliding-window"),
+    "streaming_fraction_above_1": ("llama", ["--streaming-heads", "1.5", "--sliding-window", "16"], "in [0, 1]"),
+    "streaming_fraction_text": ("llama", ["--streaming-heads", "half", "--sliding-window", "16"], "or auto"),
+    "streaming_with_globals": ("llama", ["--streaming-heads", "0.5", "--sliding-window", "16", "--global-every", "2"],
+                               "drop --global-every"),
+    "streaming_with_mqa": ("llama", ["--streaming-heads", "0.5", "--sliding-window", "16", "--mqa"], "merge or share"),
+    "streaming_window_at_context": ("llama", ["--streaming-heads", "0.5", "--sliding-window", "512"],
+                                    "below the model's context"),
+    "streaming_sliding_model": ("mistral", ["--streaming-heads", "0.5", "--sliding-window", "16"],
+                                "full-attention checkpoint"),
+    "streaming_gemma": ("gemma3_text", ["--streaming-heads", "0.5", "--sliding-window", "16"], "not supported"),
+    "plan_with_streaming": ("llama", ["--kv-budget", "0.5", "--streaming-heads", "0.5"], "drop --streaming-heads"),
 }
 
 

@@ -41,6 +41,22 @@ def test_no_candidate_exceeds_its_budget(tiny_llama, budget):
     assert [c.kv_bytes_per_token for c in cands] == sorted(c.kv_bytes_per_token for c in cands)
 
 
+@pytest.mark.parametrize("budget", [0.9, 0.7, 0.55])  # bf16: every head streaming is 0.5 here
+def test_streaming_head_candidates_fit_and_keep_the_most_ranked_heads_full(tiny_llama, budget):
+    config = Checkpoint.open(tiny_llama).config
+    original = original_bytes(config, CTX)
+    heads = [(3, 1), (1, 0), (0, 0), (2, 1), (3, 0), (1, 1), (0, 1), (2, 0)]
+    cands = candidates(config, CTX, budget * original, {}, original, ("bf16",), {w: heads for w in WINDOWS})
+    by_head = [c for c in cands if c.choice.streaming is not None]
+    assert by_head, budget
+    for c in by_head:
+        assert c.kv_bytes_per_token <= budget * original
+        full = {(layer, h) for layer in range(4) for h in range(2) if h not in c.choice.streaming[layer]}
+        assert full == set(heads[:len(full)])
+        config_heads = c.choice.config(config)["streaming_heads"]
+        assert config_heads["window"] == c.choice.window and config_heads["sinks"] == 4
+
+
 def test_plan_is_served_written_and_read_back(tiny_with_tokenizer, tmp_path):
     plan = plan_kv(tiny_with_tokenizer, budget=0.4, ctx=CTX, windows=WINDOWS, dtypes=("bf16", "int4"))
     assert plan.chosen.kv_bytes_per_token <= 0.4 * plan.original_kv_bytes_per_token
@@ -51,8 +67,11 @@ def test_plan_is_served_written_and_read_back(tiny_with_tokenizer, tmp_path):
     assert doc["kv_cache_dtype"] == plan.kv_cache_dtype == planned_kv_dtype(out)
     assert doc["times_smaller"] >= 2.5
     config = json.loads((out / "config.json").read_text())
-    if plan.chosen.choice.window is not None:
+    if plan.chosen.choice.streaming is not None:
+        assert config["streaming_heads"]["kv_heads"] == [list(h) for h in plan.chosen.choice.streaming]
+    elif plan.chosen.choice.window is not None:
         assert config["sliding_window"] == plan.chosen.choice.window and config["num_sink_tokens"] == 4
+    assert any(c.choice.streaming is not None for c in plan.candidates)  # heads planned beside layers
 
     # The written checkpoint, allocated at the planned dtype, holds what the plan counted.
     from runtime.cache.kv_report import report_variant

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from foundation.attention_layout import EntryPart
 from runtime.attention.backend import AttentionBackend
 from runtime.attention.key_rope import apply_rotary
 
@@ -13,7 +14,8 @@ from runtime.attention.key_rope import apply_rotary
 class Attention(nn.Module):
     """One layer's attention. ``qkv_proj(hidden)`` returns ``(q, k, v)`` (one fused GEMM or three
     Linears, ``runtime.model.layers.fused_linear``), or ``(q,)`` for a layer that reads another layer's
-    KV: it passes ``k = v = None`` to the backend, which reads the owner's cache."""
+    KV: it passes ``k = v = None`` to the backend, which reads the owner's cache. A layer with streaming
+heads calls the backend once per entry, with that entry's heads."""
 
     def __init__(
         self,
@@ -25,12 +27,23 @@ class Attention(nn.Module):
         o_proj: nn.Module,
         q_norm: nn.Module | None = None,
         k_norm: nn.Module | None = None,
+        parts: tuple[EntryPart, ...] | None = None,
     ) -> None:
+        """``parts``: the attention entries the layer's KV heads split into (full heads, then
+        streaming heads: ``AttentionLayout.entry_parts``); default one entry, ``layer_idx``."""
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.qkv_proj, self.o_proj = qkv_proj, o_proj
         self.q_norm, self.k_norm = q_norm, k_norm
+        self.parts = parts or (EntryPart(layer_idx, tuple(range(num_kv_heads))),)
+        rep = num_heads // num_kv_heads
+        # per part: its KV heads and query heads, as slices when contiguous, else index tensors
+        self._part_heads = [(_heads(p.heads), _heads(tuple(h * rep + r for h in p.heads for r in range(rep))))
+                            for p in self.parts]
+        order = [h for p in self.parts for h in p.heads]
+        self._unpermute = None if order == sorted(order) else _heads(tuple(
+            j * rep + r for j in sorted(range(len(order)), key=order.__getitem__) for r in range(rep)))
 
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend
@@ -48,5 +61,18 @@ class Attention(nn.Module):
             if self.k_norm is not None:
                 k = self.k_norm(k)
             v = proj[2].view(t, self.num_kv_heads, self.head_dim)
-        out = backend.attend(self.layer_idx, q, k, v)
+        if len(self.parts) == 1:
+            out = backend.attend(self.parts[0].entry, q, k, v)
+        else:  # each entry attends with its own heads (and its own cache and window)
+            out = torch.cat([backend.attend(p.entry, q[:, qh], k[:, kvh], v[:, kvh])
+                             for p, (kvh, qh) in zip(self.parts, self._part_heads)], dim=1)
+            if self._unpermute is not None:
+                out = out[:, self._unpermute]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+def _heads(index: tuple[int, ...]) -> slice | torch.Tensor:
+    """A head selection: a slice when ``index`` is a contiguous ascending run, else an index tensor."""
+    if index == tuple(range(index[0], index[0] + len(index))):
+        return slice(index[0], index[0] + len(index))
+    return torch.tensor(index, dtype=torch.long)

@@ -141,6 +141,45 @@ def test_sinks_model_matches_core_and_holds_only_sinks_and_window(tiny_llama, tm
         assert_same(outs[i], r)
 
 
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8", "int4"])
+def test_streaming_heads_match_core_and_hold_only_sinks_and_window(tiny_llama, tmp_path, kv_dtype):
+    """Streaming KV heads (split layers, a fully streaming layer): the same outputs as the plain
+    run (fp32, int8 KV), full and streaming heads cached in separate groups, and the streaming groups never hold
+    more than the sink blocks, the window's blocks and one block being filled per decoding sequence."""
+    from attention_variants.convert import ConvertSpec, convert
+
+    spec = ConvertSpec(sliding_window=8, sinks=5, streaming_set=((), (1,), (0, 1), (0,)))
+    path = convert(tiny_llama, spec, tmp_path / "streaming").out
+    core = LLM(path, max_model_len=128, kv_cache_dtype=kv_dtype)
+    bs = 4
+    engine = Engine(core.model, EngineConfig(block_size=bs, max_num_batched_tokens=12, max_model_len=128,
+                                             kv_cache_bytes=1 << 20, kv_dtype=kv_dtype))
+    groups = engine.kv_spec.groups
+    assert sorted((g.kind, g.num_kv_heads, g.layers) for g in groups) == [
+        ("full", 1, (1, 3)), ("full", 2, (0,)), ("sliding", 1, (4, 5)), ("sliding", 2, (2,))]
+    streaming = [g for g, grp in enumerate(groups) if grp.window is not None]
+    limit = -(-5 // bs) + -(-(8 + bs - 1) // bs) + 1
+    ps = prompts(4, seed=3, lo=20, hi=40)
+    params = SamplingParams(max_tokens=40, temperature=0, logprobs=3, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in ps]
+    outs, most, decoding = {}, 0, set()
+    while engine.has_unfinished:
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+            elif len(o.token_ids) >= 2:
+                decoding.add(o.request_id)
+        for seq_id, tables in engine.block_manager.tables.items():
+            if seq_id in decoding:
+                most = max(most, *(sum(1 for b in tables[g] if b >= 0) for g in streaming))
+    assert 0 < most <= limit
+    if kv_dtype == "int4":  # packed KV is quantized per block, and the core picks its own block size
+        return
+    tol = LP_TOL if kv_dtype == "fp32" else 1e-3  # dequantized K/V meet different batch shapes: fp32 sums reorder
+    for i, r in zip(ids, core.generate(ps, params)):
+        assert_same(outs[i], r, tol=tol)
+
+
 def test_prefix_hits_and_preemption_keep_outputs(tiny_llama):
     core = LLM(tiny_llama, max_model_len=96)
     system = torch.arange(100, 140).tolist()  # a 40-token shared "system prompt"

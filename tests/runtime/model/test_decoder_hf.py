@@ -76,6 +76,8 @@ CONVERSIONS = {
     "hybrid": ConvertSpec(sliding_window=8, global_every=2),
     "hybrid_sinks": ConvertSpec(sliding_window=8, global_every=2, sinks=3),
     "share2_hybrid_sinks": ConvertSpec(kv_share=2, merge="mean", sliding_window=6, global_every=4, sinks=5),
+    # per layer: none, the second, both, the first KV head stream (split layers in both head orders)
+    "streaming_heads": ConvertSpec(sliding_window=8, sinks=3, streaming_set=((), (1,), (0, 1), (0,))),
 }
 
 

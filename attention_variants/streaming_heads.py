@@ -1,0 +1,115 @@
+"""Streaming KV heads (DuoAttention): which heads of which layers may see only sinks + a window.
+
+Each KV head is scored on calibration text by what streaming it would lose, and the lowest-scored
+fraction of all heads (ranked across layers) streams. Two scores, both measured in one pass with
+the heads' own projections (any attention implementation):
+
+- ``mass``: the attention probability its query heads put on keys at least W tokens back, the sink
+  keys counted as lost too (the rule ``--global-select calib`` ranks whole layers by);
+- ``output``: the layer-local loss DuoAttention fits its gates on: the squared change of the
+  layer's attention output (after ``o_proj``) when this head alone streams, relative to that output's
+  energy.
+
+The choice is written as the config's ``streaming_heads`` (``foundation.attention_layout``); the
+weights stay as they are.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from foundation.errors import KvslimError
+
+StreamingSelect = Literal["mass", "output"]
+STREAMING_SELECTS: tuple[str, ...] = ("mass", "output")
+# DuoAttention keeps ~25% of KV heads full in MHA models and ~50% in GQA ones.
+AUTO_FRACTION = {"mha": 0.75, "gqa": 0.5}
+
+
+def auto_fraction(num_heads: int, num_kv_heads: int) -> float:
+    """``--streaming-heads auto``: DuoAttention's streaming share for the model's attention type."""
+    return AUTO_FRACTION["gqa" if num_kv_heads < num_heads else "mha"]
+
+
+class HeadScoreProbe:
+    """Forward pre-hooks on every layer's attention that score each KV head from the layer's own
+    q/k/v (rotated as the layer rotates them) on each sequence the model runs."""
+
+    def __init__(self, model, window: int, sinks: int, num_seqs: int):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        self._rotate = apply_rotary_pos_emb
+        cfg = model.config
+        n, kvh = cfg.num_hidden_layers, cfg.num_key_value_heads
+        self.window, self.sinks, self.num_seqs = window, sinks, num_seqs
+        self.scores = {name: torch.zeros(n, kvh) for name in STREAMING_SELECTS}
+        self._hooks = [layer.self_attn.register_forward_pre_hook(self._hook(i), with_kwargs=True)
+                       for i, layer in enumerate(model.model.layers)]
+
+    def _hook(self, i: int):
+        def hook(module, args, kwargs):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            cos, sin = kwargs["position_embeddings"]
+            mass, output = self._score(module, hidden.detach().float(), cos.float(), sin.float())
+            self.scores["mass"][i] += mass / self.num_seqs
+            self.scores["output"][i] += output / self.num_seqs
+        return hook
+
+    def _score(self, attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        d = attn.head_dim
+        t = x.shape[1]
+        q = attn.q_proj(x).view(1, t, -1, d)
+        k = attn.k_proj(x).view(1, t, -1, d)
+        v = attn.v_proj(x).view(1, t, -1, d).transpose(1, 2)[0]  # [KVH, T, D]
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head norms before rotary
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = self._rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        h, kvh = q.shape[1], k.shape[1]
+        rep = h // kvh
+        k, v = k[0].repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)  # [H, T, D]
+        pos = torch.arange(t)
+        dist = pos[:, None] - pos[None, :]
+        causal = dist >= 0
+        local = causal & ((dist < self.window) | (pos[None, :] < self.sinks))
+        scores = (q[0] @ k.transpose(1, 2)) * attn.scaling  # [H, T, T]
+        p_full = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
+        p_local = torch.softmax(scores.masked_fill(~local, float("-inf")), -1)
+        beyond = (dist >= self.window) & causal
+        mass = (p_full[:, self.window:] * beyond[self.window:]).sum(-1).mean(-1)  # [H]
+        wo = attn.o_proj.weight.float().view(-1, h, d)  # [hidden, H, D]
+        delta = torch.einsum("htd,ohd->hto", (p_local - p_full) @ v, wo)  # per query head, [H, T, hidden]
+        full_out = torch.einsum("htd,ohd->to", p_full @ v, wo)
+        per_kv = delta.view(kvh, rep, t, -1).sum(1)  # [KVH, T, hidden]
+        output = per_kv.pow(2).sum((1, 2)) / full_out.pow(2).sum().clamp_min(1e-30)
+        return mass.view(kvh, rep).mean(-1), output
+
+    def remove(self) -> dict[str, torch.Tensor]:
+        """Remove the hooks; per score, ``[layers, kv_heads]``."""
+        for hook in self._hooks:
+            hook.remove()
+        return self.scores
+
+
+@torch.no_grad()
+def head_scores(model, ids: torch.Tensor, window: int, sinks: int) -> dict[str, torch.Tensor]:
+    """Per score name, ``[layers, kv_heads]`` on ``ids`` ``[num_seqs, seq_len]`` (sequences longer
+    than the window); a transformers Llama-family model."""
+    if ids.shape[1] <= window:
+        raise KvslimError(f"calibration sequences of {ids.shape[1]} tokens cannot score heads for window {window}")
+    probe = HeadScoreProbe(model, window, sinks, ids.shape[0])
+    try:
+        for row in ids:
+            model(input_ids=row.unsqueeze(0), use_cache=False)
+    finally:
+        scores = probe.remove()
+    return scores
+
+
+def streaming_kv_heads(score: torch.Tensor, fraction: float) -> tuple[tuple[int, ...], ...]:
+    """Per layer, the KV heads that stream: the ``fraction`` of all heads with the lowest ``score``
+    ``[layers, kv_heads]`` (ties broken by position)."""
+    n = round(fraction * score.numel())
+    chosen = set(score.flatten().argsort(stable=True)[:n].tolist())
+    kvh = score.shape[1]
+    return tuple(tuple(h for h in range(kvh) if layer * kvh + h in chosen) for layer in range(score.shape[0]))
