@@ -87,16 +87,20 @@ def test_reference_routing_on_cpu():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the engine keeps its cache on the CPU; this drives the kernels through the interpreter")
-@pytest.mark.parametrize("arch,kv_dtype", [("gemma3_text", "int8")])  # sliding + full layers, softcap-free
-def test_engine_generates_the_same_through_the_kernels(tmp_path, arch, kv_dtype):
+@pytest.mark.parametrize("arch,kv_dtype,overrides", [
+    ("gemma3_text", "int8", {}),  # sliding + full layers, softcap-free
+    ("llama", "int8", {"streaming_heads": {"window": 6, "sinks": 2, "kv_heads": [[], [1], [0, 1], [0]]}}),
+])
+def test_engine_generates_the_same_through_the_kernels(tmp_path, arch, kv_dtype, overrides):
     """The engine end to end with its attention swapped for the Triton kernels (the interpreter
-    on CPU): same greedy tokens and logprobs as with its own torch backend."""
+    on CPU): same greedy tokens and logprobs as with its own torch backend; with streaming heads,
+    split layers attend per cache entry."""
     from runtime.engine.engine import Engine, EngineConfig
     from runtime.engine.sampling import SamplingParams
     from runtime.model.loader import load_model
     from tests.tiny_models import make_tiny_checkpoint
 
-    model = load_model(make_tiny_checkpoint(tmp_path / arch, arch), "float32")
+    model = load_model(make_tiny_checkpoint(tmp_path / arch, arch, **overrides), "float32")
     cfg = EngineConfig(kv_dtype=kv_dtype, block_size=4, max_num_batched_tokens=32, max_model_len=64, kv_cache_bytes=1 << 20)
     prompts = [list(range(5, 17)), list(range(40, 45))]
     params = SamplingParams(max_tokens=4, temperature=0, logprobs=2, ignore_eos=True)
