@@ -33,17 +33,17 @@ def auto_fraction(num_heads: int, num_kv_heads: int) -> float:
 
 
 class HeadScoreProbe:
-    """Forward pre-hooks on every layer's attention that score each KV head from the layer's own
-    q/k/v (rotated as the layer rotates them) on each sequence the model runs."""
+    """Forward pre-hooks on every layer's attention that score each KV head, for each window, from
+    the layer's own q/k/v (rotated as the layer rotates them) on each sequence the model runs."""
 
-    def __init__(self, model, window: int, sinks: int, num_seqs: int):
+    def __init__(self, model, windows: tuple[int, ...], sinks: int, num_seqs: int):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         self._rotate = apply_rotary_pos_emb
         cfg = model.config
         n, kvh = cfg.num_hidden_layers, cfg.num_key_value_heads
-        self.window, self.sinks, self.num_seqs = window, sinks, num_seqs
-        self.scores = {name: torch.zeros(n, kvh) for name in STREAMING_SELECTS}
+        self.windows, self.sinks, self.num_seqs = windows, sinks, num_seqs
+        self.scores = {w: {name: torch.zeros(n, kvh) for name in STREAMING_SELECTS} for w in windows}
         self._hooks = [layer.self_attn.register_forward_pre_hook(self._hook(i), with_kwargs=True)
                        for i, layer in enumerate(model.model.layers)]
 
@@ -51,12 +51,12 @@ class HeadScoreProbe:
         def hook(module, args, kwargs):
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             cos, sin = kwargs["position_embeddings"]
-            mass, output = self._score(module, hidden.detach().float(), cos.float(), sin.float())
-            self.scores["mass"][i] += mass / self.num_seqs
-            self.scores["output"][i] += output / self.num_seqs
+            for w, (mass, output) in self._score(module, hidden.detach().float(), cos.float(), sin.float()).items():
+                self.scores[w]["mass"][i] += mass / self.num_seqs
+                self.scores[w]["output"][i] += output / self.num_seqs
         return hook
 
-    def _score(self, attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _score(self, attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> dict:
         d = attn.head_dim
         t = x.shape[1]
         q = attn.q_proj(x).view(1, t, -1, d)
@@ -71,39 +71,46 @@ class HeadScoreProbe:
         pos = torch.arange(t)
         dist = pos[:, None] - pos[None, :]
         causal = dist >= 0
-        local = causal & ((dist < self.window) | (pos[None, :] < self.sinks))
         scores = (q[0] @ k.transpose(1, 2)) * attn.scaling  # [H, T, T]
         p_full = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
-        p_local = torch.softmax(scores.masked_fill(~local, float("-inf")), -1)
-        beyond = (dist >= self.window) & causal
-        mass = (p_full[:, self.window:] * beyond[self.window:]).sum(-1).mean(-1)  # [H]
         wo = attn.o_proj.weight.float().view(-1, h, d)  # [hidden, H, D]
-        delta = torch.einsum("htd,ohd->hto", (p_local - p_full) @ v, wo)  # per query head, [H, T, hidden]
-        full_out = torch.einsum("htd,ohd->to", p_full @ v, wo)
-        per_kv = delta.view(kvh, rep, t, -1).sum(1)  # [KVH, T, hidden]
-        output = per_kv.pow(2).sum((1, 2)) / full_out.pow(2).sum().clamp_min(1e-30)
-        return mass.view(kvh, rep).mean(-1), output
+        o_full = p_full @ v
+        energy = torch.einsum("htd,ohd->to", o_full, wo).pow(2).sum().clamp_min(1e-30)
+        out = {}
+        for w in self.windows:
+            local = causal & ((dist < w) | (pos[None, :] < self.sinks))
+            mass = (p_full[:, w:] * (dist[w:] >= w)).sum(-1).mean(-1)  # [H]; sink keys counted lost
+            p_local = torch.softmax(scores.masked_fill(~local, float("-inf")), -1)
+            delta = torch.einsum("htd,ohd->hto", p_local @ v - o_full, wo)  # per query head, [H, T, hidden]
+            per_kv = delta.view(kvh, rep, t, -1).sum(1)  # [KVH, T, hidden]
+            out[w] = (mass.view(kvh, rep).mean(-1), per_kv.pow(2).sum((1, 2)) / energy)
+        return out
 
-    def remove(self) -> dict[str, torch.Tensor]:
-        """Remove the hooks; per score, ``[layers, kv_heads]``."""
+    def remove(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Remove the hooks; per window, per score, ``[layers, kv_heads]``."""
         for hook in self._hooks:
             hook.remove()
         return self.scores
 
 
 @torch.no_grad()
-def head_scores(model, ids: torch.Tensor, window: int, sinks: int) -> dict[str, torch.Tensor]:
-    """Per score name, ``[layers, kv_heads]`` on ``ids`` ``[num_seqs, seq_len]`` (sequences longer
-    than the window); a transformers Llama-family model."""
-    if ids.shape[1] <= window:
-        raise KvslimError(f"calibration sequences of {ids.shape[1]} tokens cannot score heads for window {window}")
-    probe = HeadScoreProbe(model, window, sinks, ids.shape[0])
+def head_scores_by_window(model, ids: torch.Tensor, windows: tuple[int, ...], sinks: int) -> dict[int, dict[str, torch.Tensor]]:
+    """Per window, per score name, ``[layers, kv_heads]`` on ``ids`` ``[num_seqs, seq_len]``
+    (sequences longer than every window), in one pass; a transformers Llama-family model."""
+    if ids.shape[1] <= max(windows):
+        raise KvslimError(f"calibration sequences of {ids.shape[1]} tokens cannot score heads for window {max(windows)}")
+    probe = HeadScoreProbe(model, windows, sinks, ids.shape[0])
     try:
         for row in ids:
             model(input_ids=row.unsqueeze(0), use_cache=False)
     finally:
         scores = probe.remove()
     return scores
+
+
+def head_scores(model, ids: torch.Tensor, window: int, sinks: int) -> dict[str, torch.Tensor]:
+    """``head_scores_by_window`` for one window."""
+    return head_scores_by_window(model, ids, (window,), sinks)[window]
 
 
 def streaming_kv_heads(score: torch.Tensor, fraction: float) -> tuple[tuple[int, ...], ...]:

@@ -245,14 +245,13 @@ def rank_heads(model_dir: Path, ids: torch.Tensor, windows: tuple[int, ...]) -> 
     """Per window, the (layer, KV head) pairs by attention mass beyond it on ``ids`` (most first)."""
     from transformers import AutoModelForCausalLM
 
-    from attention_variants.streaming_heads import head_scores
+    from attention_variants.streaming_heads import head_scores_by_window
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = {}
-    for w in windows:
-        mass = head_scores(model, ids, w, PLAN_SINKS)["mass"]
-        kvh = mass.shape[1]
-        out[w] = [divmod(int(i), kvh) for i in mass.flatten().argsort(descending=True, stable=True)]
+    for w, scores in head_scores_by_window(model, ids, windows, PLAN_SINKS).items():
+        mass = scores["mass"]
+        out[w] = [divmod(int(i), mass.shape[1]) for i in mass.flatten().argsort(descending=True, stable=True)]
     return out
 
 

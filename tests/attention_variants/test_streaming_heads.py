@@ -7,7 +7,12 @@ import torch
 
 from attention_variants.convert import ConvertSpec, convert
 from attention_variants.modeling.modeling_kvslim import per_head_mask
-from attention_variants.streaming_heads import auto_fraction, head_scores, streaming_kv_heads
+from attention_variants.streaming_heads import (
+    auto_fraction,
+    head_scores,
+    head_scores_by_window,
+    streaming_kv_heads,
+)
 from foundation.attention_layout import AttentionLayout
 from foundation.errors import KvslimError
 from tests.attention_variants.helpers import logits
@@ -29,6 +34,24 @@ def test_scores_have_a_value_per_layer_and_kv_head(tiny_llama):
     for s in scores.values():
         assert s.shape == (4, 2) and bool((s >= 0).all()) and float(s.sum()) > 0
     assert bool((scores["mass"] <= 1 + 1e-6).all())
+
+
+def test_head_mass_averages_to_the_layer_mass_the_global_layers_rank_by(tiny_llama):
+    """One pass over several windows gives each window's scores, and per layer the KV heads' mass
+    averages to ``measure_far_mass`` (the same rule, per layer, from the eager probabilities)."""
+    from transformers import AutoModelForCausalLM
+
+    from attention_variants.attention_inputs import measure_far_mass
+
+    ids = torch.cat([IDS, IDS.flip(1)])
+    both = head_scores_by_window(_model(tiny_llama), ids, (8, 16), sinks=2)
+    eager = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32, attn_implementation="eager")
+    layer_mass = measure_far_mass(eager.eval(), ids, (8, 16))
+    for w in (8, 16):
+        one = head_scores(_model(tiny_llama), ids, window=w, sinks=2)
+        for name in one:
+            torch.testing.assert_close(both[w][name], one[name])
+        torch.testing.assert_close(both[w]["mass"].mean(1), torch.tensor(layer_mass[w]), rtol=1e-4, atol=1e-6)
 
 
 def test_a_window_that_sees_everything_loses_nothing(tiny_llama):
