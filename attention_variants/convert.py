@@ -35,6 +35,7 @@ from foundation.errors import KvslimError, UnsupportedArchitecture
 from foundation.texts import DEFAULT_CALIB
 
 NATIVE_HYBRID = ("qwen2", "qwen3", "gemma3_text")  # transformers honours layer_types for these
+STREAMING_TYPES = (*KV_SHARING_TYPES, "gemma3_text")  # whose classes in our modeling file mask per head
 # Calibration windows: the rewrites fit on every layer's attention inputs, held in memory at once.
 DEFAULT_CALIB_SEQS = 2
 DEFAULT_CALIB_SEQ_LEN = 1024
@@ -152,7 +153,7 @@ def validate(spec: ConvertSpec, config: dict) -> AttentionLayout:
         w, context = spec.sliding_window, int(config.get("max_position_embeddings") or 0)
         if w < 1 or (context and w >= context):
             raise KvslimError(f"--sliding-window {w} must be at least 1 and below the model's context ({context})")
-        if layout.sliding_layers():
+        if layout.sliding_layers() and not spec.streams:
             raise KvslimError("--sliding-window conflicts with the model's existing sliding-window layers")
         if (spec.global_every is None) == (spec.global_layers is None) and not spec.streams:
             raise KvslimError("--sliding-window needs exactly one of --global-every G or --global-layers i,j,...")
@@ -182,11 +183,13 @@ def _validate_streaming(spec: ConvertSpec, config: dict, layout: AttentionLayout
     if spec.kv_heads is not None or spec.kv_share is not None:
         raise KvslimError("--streaming-heads scores the checkpoint's own heads: merge or share KV first, then "
                           "convert that checkpoint with --streaming-heads")
-    if model_type not in KV_SHARING_TYPES:
+    if model_type not in STREAMING_TYPES:
         raise UnsupportedArchitecture(f"--streaming-heads is not supported for model_type {model_type} "
-                                      f"(supported: {', '.join(KV_SHARING_TYPES)})")
-    if layout.sliding_layers() or layout.streaming_layers() or len(layout.cache_owners()) != layout.num_layers:
-        raise KvslimError("--streaming-heads needs a full-attention checkpoint without KV sharing or streaming heads")
+                                      f"(supported: {', '.join(STREAMING_TYPES)})")
+    if layout.streaming_layers() or len(layout.cache_owners()) != layout.num_layers:
+        raise KvslimError("--streaming-heads needs a checkpoint without KV sharing or streaming heads")
+    if len(layout.sliding_layers()) == layout.num_layers:
+        raise KvslimError("--streaming-heads streams heads of full-attention layers; every layer here is sliding")
     f = spec.streaming_heads
     if f is not None and f != "auto" and not (isinstance(f, float) and 0.0 <= f <= 1.0):
         raise KvslimError(f"--streaming-heads {f}: expected a fraction of the KV heads in [0, 1] or auto")
@@ -195,6 +198,8 @@ def _validate_streaming(spec: ConvertSpec, config: dict, layout: AttentionLayout
     if spec.streaming_set is not None and (len(spec.streaming_set) != layout.num_layers or any(
             not all(0 <= h < layout.num_kv_heads for h in hs) for hs in spec.streaming_set)):
         raise KvslimError(f"streaming heads: need one list of KV heads in [0, {layout.num_kv_heads}) per layer")
+    if spec.streaming_set is not None and any(spec.streaming_set[i] for i in layout.sliding_layers()):
+        raise KvslimError("streaming heads: only full-attention layers have heads to stream")
 
 
 def choose_streaming_heads(ckpt: Checkpoint, spec: ConvertSpec) -> tuple[tuple[int, ...], ...]:
@@ -211,7 +216,8 @@ def choose_streaming_heads(ckpt: Checkpoint, spec: ConvertSpec) -> tuple[tuple[i
     ids = calibration_ids(ckpt.path, calibration)
     model = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.float32).eval()
     scores = head_scores(model, ids, spec.sliding_window, spec.sinks)
-    return streaming_kv_heads(scores[spec.streaming_select], fraction)
+    full_layers = [i for i, l in enumerate(layout.layers) if l.kind == "full"]
+    return streaming_kv_heads(scores[spec.streaming_select], fraction, full_layers)
 
 
 def calibrate(ckpt: Checkpoint, spec: ConvertSpec) -> AttentionInputs:

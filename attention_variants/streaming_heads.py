@@ -113,10 +113,14 @@ def head_scores(model, ids: torch.Tensor, window: int, sinks: int) -> dict[str, 
     return head_scores_by_window(model, ids, (window,), sinks)[window]
 
 
-def streaming_kv_heads(score: torch.Tensor, fraction: float) -> tuple[tuple[int, ...], ...]:
-    """Per layer, the KV heads that stream: the ``fraction`` of all heads with the lowest ``score``
-    ``[layers, kv_heads]`` (ties broken by position)."""
-    n = round(fraction * score.numel())
-    chosen = set(score.flatten().argsort(stable=True)[:n].tolist())
+def streaming_kv_heads(score: torch.Tensor, fraction: float,
+                       layers: list[int] | None = None) -> tuple[tuple[int, ...], ...]:
+    """Per layer, the KV heads that stream: the ``fraction`` of all heads of ``layers`` (default
+    every layer) with the lowest ``score`` ``[layers, kv_heads]`` (ties broken by position)."""
     kvh = score.shape[1]
+    eligible = torch.zeros_like(score, dtype=torch.bool)
+    eligible[list(range(score.shape[0])) if layers is None else layers] = True
+    n = round(fraction * int(eligible.sum()))
+    ranked = score.masked_fill(~eligible, float("inf")).flatten().argsort(stable=True)
+    chosen = set(ranked[:n].tolist())
     return tuple(tuple(h for h in range(kvh) if layer * kvh + h in chosen) for layer in range(score.shape[0]))

@@ -1,7 +1,7 @@
 """kvslim modeling file, carried inside converted checkpoints (``auto_map``, ``trust_remote_code``).
 
-Adds to transformers' Llama / Mistral / Qwen2 / Qwen3 (and Gemma 3, sinks only) what their
-configs cannot express:
+Adds to transformers' Llama / Mistral / Qwen2 / Qwen3 (and Gemma 3: sinks and streaming heads) what
+their configs cannot express:
 
 - ``layer_types`` + ``sliding_window`` per layer (hybrid local/global attention) for every family;
 - ``num_sink_tokens`` S: sliding layers also attend to the first S tokens (attention sinks), so
@@ -93,6 +93,12 @@ def _check_sinks_backend(config) -> None:
     """Sinks live in the attention mask; flash-attention kernels take a window, not a mask."""
     if "flash" in str(getattr(config, "_attn_implementation", "")):
         raise ValueError("attention sinks need a masked attention implementation (sdpa or eager), not flash attention")
+
+
+def _check_prepared_masks(attention_mask) -> None:
+    """Per-head masks are built from the 2-D padding mask; masks prepared per layer type cannot carry them."""
+    if isinstance(attention_mask, dict):
+        raise ValueError("streaming heads build their own per-head masks: pass a 2-D attention_mask, not prepared masks")
 
 
 def _keep_every_token(cache) -> None:
@@ -197,7 +203,8 @@ class KvslimModelMixin:
                 masks[SLIDING] = create_sliding_window_causal_mask(**mask_kwargs)
         layer_masks = [masks[t] for t in types]
         streaming = _streaming(self.config)
-        if streaming is not None and not isinstance(attention_mask, dict):
+        if streaming is not None:
+            _check_prepared_masks(attention_mask)
             _check_sinks_backend(self.config)  # per-head masks, not a kernel's window
             full = create_causal_mask(**mask_kwargs, and_mask_function=_every_key)  # a tensor, never skipped
             local = create_causal_mask(**mask_kwargs, and_mask_function=sink_window_overlay(
@@ -294,14 +301,42 @@ class KvslimQwen3ForCausalLM(modeling_qwen3.Qwen3ForCausalLM):
 
 
 class KvslimGemma3TextModel(modeling_gemma3.Gemma3TextModel):
-    """Gemma 3 whose sliding layers keep ``num_sink_tokens`` attention sinks: the masks (and a
-    cache that keeps every token) are prepared here, the rest is transformers' own forward."""
+    """Gemma 3 whose sliding layers keep ``num_sink_tokens`` attention sinks, and whose full layers
+    may have streaming heads: the masks (and a cache that keeps every token) are prepared here, the
+    rest is transformers' own forward; a layer with streaming heads gets its per-head mask through
+    a pre-hook (transformers picks masks by layer type)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._layer_masks: dict[int, torch.Tensor] = {}
+        streaming = _streaming(config)
+        for i, heads in enumerate(streaming["kv_heads"] if streaming else []):
+            if heads:
+                self.layers[i].register_forward_pre_hook(self._mask_hook(i), with_kwargs=True)
+
+    def _mask_hook(self, i: int):
+        def hook(_module, args, kwargs):
+            kwargs["attention_mask"] = self._layer_masks[i]
+            return args, kwargs
+        return hook
+
+    def _streaming_masks(self, streaming: dict, mask_kwargs: dict) -> None:
+        _check_sinks_backend(self.config)
+        full = create_causal_mask(**mask_kwargs, and_mask_function=_every_key)
+        local = create_causal_mask(**mask_kwargs, and_mask_function=sink_window_overlay(
+            streaming["window"], streaming["sinks"]))
+        h, kvh = self.config.num_attention_heads, self.config.num_key_value_heads
+        self._layer_masks = {i: per_head_mask(full, local, heads, h, kvh)
+                             for i, heads in enumerate(streaming["kv_heads"]) if heads}
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, past_key_values=None,
                 inputs_embeds=None, use_cache=None, **kwargs):
         cache = cache if cache is not None else past_key_values
         sinks = _sinks(self.config)
-        if sinks and not isinstance(attention_mask, dict):
+        streaming = _streaming(self.config)
+        if streaming:
+            _check_prepared_masks(attention_mask)
+        if (sinks or streaming) and not isinstance(attention_mask, dict):
             _check_sinks_backend(self.config)
             if inputs_embeds is None:
                 inputs_embeds, input_ids = self.embed_tokens(input_ids), None
@@ -314,9 +349,14 @@ class KvslimGemma3TextModel(modeling_gemma3.Gemma3TextModel):
                 position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen).unsqueeze(0)
             mask_kwargs = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                                position_ids=position_ids, **{CACHE_ARG: cache})
-            overlay = sink_window_overlay(self.config.sliding_window, sinks)
-            attention_mask = {FULL: create_causal_mask(**mask_kwargs),
-                              SLIDING: create_causal_mask(**mask_kwargs, and_mask_function=overlay)}
+            if streaming:
+                self._streaming_masks(streaming, mask_kwargs)
+            if sinks:
+                overlay = sink_window_overlay(self.config.sliding_window, sinks)
+                sliding = create_causal_mask(**mask_kwargs, and_mask_function=overlay)
+            else:
+                sliding = create_sliding_window_causal_mask(**mask_kwargs)
+            attention_mask = {FULL: create_causal_mask(**mask_kwargs), SLIDING: sliding}
         return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                inputs_embeds=inputs_embeds, use_cache=use_cache, **{CACHE_ARG: cache}, **kwargs)
 

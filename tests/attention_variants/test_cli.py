@@ -80,9 +80,7 @@ BAD = {
     "streaming_with_mqa": ("llama", ["--streaming-heads", "0.5", "--sliding-window", "16", "--mqa"], "merge or share"),
     "streaming_window_at_context": ("llama", ["--streaming-heads", "0.5", "--sliding-window", "512"],
                                     "below the model's context"),
-    "streaming_sliding_model": ("mistral", ["--streaming-heads", "0.5", "--sliding-window", "16"],
-                                "full-attention checkpoint"),
-    "streaming_gemma": ("gemma3_text", ["--streaming-heads", "0.5", "--sliding-window", "16"], "not supported"),
+    "streaming_sliding_model": ("mistral", ["--streaming-heads", "0.5", "--sliding-window", "16"], "every layer here"),
     "plan_with_streaming": ("llama", ["--kv-budget", "0.5", "--streaming-heads", "0.5"], "drop --streaming-heads"),
 }
 

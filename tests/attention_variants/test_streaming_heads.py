@@ -70,6 +70,7 @@ def test_the_lowest_scored_fraction_streams_across_layers():
     assert streaming_kv_heads(score, 0.5) == ((1,), (0,), (0,))
     assert streaming_kv_heads(score, 0.0) == ((), (), ())
     assert streaming_kv_heads(score, 1.0) == ((0, 1), (0, 1), (0, 1))
+    assert streaming_kv_heads(score, 0.5, layers=[0, 2]) == ((1,), (), (0,))  # full layers only (Gemma 3)
     assert auto_fraction(9, 3) == 0.5 and auto_fraction(8, 8) == 0.75
 
 

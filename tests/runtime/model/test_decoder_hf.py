@@ -106,6 +106,20 @@ def test_sinks_on_a_native_sliding_model_match_the_modeling_file(tmp_path, arch)
     assert not torch.allclose(hf_logits(hf_model(out, ours=True), ids), hf_logits(hf_model(src), ids), atol=1e-3)
 
 
+def test_gemma_streaming_heads_on_its_full_layers_match_the_modeling_file(tmp_path):
+    """Gemma 3 (own sliding layers, two ropes): streaming heads on its full layers, one split and
+    one whole, with sinks for the streaming heads only; the runtime equals our modeling file."""
+    src = make_tiny_checkpoint(tmp_path / "g", "gemma3_text", sliding_window=8, num_key_value_heads=2,
+                               layer_types=["sliding_attention", "full_attention"] * 2)
+    spec = ConvertSpec(sliding_window=6, sinks=2, streaming_set=((), (1,), (), (0, 1)))
+    out = convert(src, spec, tmp_path / "streaming").out
+    config = json.loads((out / "config.json").read_text())
+    assert config["sliding_window"] == 8 and "num_sink_tokens" not in config and "auto_map" in config
+    assert_matches_hf(out, ours=True)
+    ids = _ids()
+    assert not torch.allclose(hf_logits(hf_model(out, ours=True), ids), hf_logits(hf_model(src), ids), atol=1e-3)
+
+
 def test_converted_mqa_matches_hf(tiny_checkpoints, tmp_path):
     out = convert(tiny_checkpoints["mistral"], ConvertSpec(kv_heads=1, merge="mean"), tmp_path / "mqa").out
     assert_matches_hf(out)
