@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 STAMP := .kvslim-installed
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast bench bench-gpu clean
 
 $(STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0
@@ -29,6 +29,16 @@ bench: install
 	$(PYTHON) -m runtime.cache.kv_report --budget-gib 1 --json runs/kv_report.json
 	$(PYTHON) benchmarks/engine_kv_perplexity.py --tokens 1024 --json runs/engine_kv_ppl.json
 	$(PYTHON) benchmarks/activation_dtype.py speed --batch 1 8 --new-tokens 16 --json runs/activation_dtype_speed.json
+
+## On a lent GPU (the environment already set up: GPU machines reach no package index): the GPU
+## kernel tests, then the kernel roofline, paged attention and the engine against HF transformers
+## on the GPU, each writing JSON under benchmarks/results/.
+bench-gpu:
+	TRITON_INTERPRET= $(PYTHON) -m pytest -q -p no:cacheprovider -m gpu tests/runtime/kernels
+	$(PYTHON) benchmarks/kernels_roofline.py --model smollm2 --out benchmarks/results/kernels_roofline.json
+	$(PYTHON) benchmarks/paged_attention_bench.py --out benchmarks/results/paged_attention.json
+	$(PYTHON) -m cli quantize smollm2 --int4 --method rtn -o runs/smollm2-w4a16 --force
+	$(PYTHON) benchmarks/gpu_engine.py --checkpoints runs/smollm2-w4a16 --json benchmarks/results/gpu_engine.json
 
 test-fast: install
 	$(PYTHON) -m pytest -q -m "not slow"

@@ -44,7 +44,9 @@ class KvslimLM(TemplateLM):
     | fp16 | fp8 | int8 | int4 | int2; ``max_length``: longest scored window (default: the model's
     max_position_embeddings, capped at 4096 as the engine's max_model_len, raised to ``min_length`` (a
     perplexity context the caller will score) up to the model's positions); ``batch_size``: requests
-    the engine runs concurrently; ``kv_cache_mib``: the KV pool."""
+    the engine runs concurrently; ``kv_cache_mib``: the KV pool (default: 512 MiB on the CPU, by free
+    memory on CUDA); ``device`` (lm-eval's own argument: auto / cpu / cuda / cuda:N, where N must be 0)
+    and ``kernels``: ``runtime.device.Placement``."""
 
     def __init__(
         self,
@@ -55,9 +57,11 @@ class KvslimLM(TemplateLM):
         min_length: int = 0,
         batch_size: int | str = 8,
         max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
-        kv_cache_mib: int = 512,
+        kv_cache_mib: int | None = None,
         add_bos_token: bool | None = None,
-        **unused: Any,  # lm-eval passes device / max_batch_size; the engine runs on the CPU
+        device: str | None = None,
+        kernels: str = "auto",
+        **unused: Any,  # lm-eval passes max_batch_size
     ) -> None:
         super().__init__()
         from transformers import AutoTokenizer
@@ -75,9 +79,15 @@ class KvslimLM(TemplateLM):
         num_seqs = 8 if str(batch_size).startswith("auto") else max(1, int(batch_size))
         # A scored sequence of max_length + 1 tokens runs whole as a prompt (its last token is only
         # a target) and samples one token: the engine needs two positions of room.
+        device = str(device or "auto")
+        if device.startswith("cuda:"):
+            if device != "cuda:0":
+                raise KvslimError(f"device={device}: the kvslim engine runs on one GPU, cuda:0")
+            device = "cuda"
         self.engine = Engine.from_checkpoint(path, EngineConfig(
-            dtype=str(dtype), kv_dtype=KV_CACHE_DTYPES[kv], kv_cache_bytes=int(kv_cache_mib) * MIB,
-            max_num_seqs=num_seqs, max_model_len=max_len + 2,
+            dtype=str(dtype), kv_dtype=KV_CACHE_DTYPES[kv],
+            kv_cache_bytes=None if kv_cache_mib is None else int(kv_cache_mib) * MIB,
+            max_num_seqs=num_seqs, max_model_len=max_len + 2, device=device, kernels=str(kernels),
         ))
         self.path = path
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))

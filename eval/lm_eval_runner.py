@@ -121,7 +121,7 @@ def load_kvslim(ckpt: Path, plan: "EvalPlan") -> EvalModel:
 
     register()
     lm = KvslimLM(pretrained=str(ckpt), batch_size=plan.batch_size, dtype=plan.dtype, kv_cache_dtype=plan.kv_cache_dtype,
-                  min_length=plan.context)
+                  min_length=plan.context, device=plan.device, kernels=plan.kernels)
     return EvalModel(lm=lm, logits_fn=lm.logits_fn, tokenizer=lm.tokenizer)
 
 
@@ -142,11 +142,13 @@ class EvalPlan:
     kv_cache_dtype: str = "auto"  # the kvslim backend's KV cache (runtime.cache.kv_dtype_choices)
     context: int = DEFAULT_CONTEXT  # every perplexity entry's window (stride half of it)
     text_file: str | None = None  # --text FILE: the ppl_text entry
+    device: str = "auto"  # the kvslim backend's placement (runtime.device)
+    kernels: str = "auto"
 
     @classmethod
     def make(cls, tasks: list[str] | None, limit: int | None, perplexity_tokens: int | None, batch_size: int,
              dtype: str = "auto", kv_cache_dtype: str = "auto", context: int | None = None,
-             text_file: str | None = None) -> "EvalPlan":
+             text_file: str | None = None, device: str = "auto", kernels: str = "auto") -> "EvalPlan":
         """``tasks`` None: the whole pack, or only ``ppl_text`` when ``text_file`` is given."""
         if tasks:
             names = tuple(tasks)
@@ -166,7 +168,7 @@ class EvalPlan:
             raise KvslimError(f"--ctx must be >= 2, got {context}")
         limits = {t: min(limit or DEFAULT_LIMITS[t], LM_EVAL_TASKS[t].num_docs) for t in names if t in LM_EVAL_TASKS}
         return cls(names, limits, perplexity_tokens, batch_size, dtype, kv_cache_dtype,
-                   context or DEFAULT_CONTEXT, str(Path(text_file).resolve()) if text_file else None)
+                   context or DEFAULT_CONTEXT, str(Path(text_file).resolve()) if text_file else None, device, kernels)
 
     def perplexity_tasks(self) -> list[PerplexityTask]:
         """The plan's perplexity entries, in task order, at the plan's context."""
@@ -183,8 +185,10 @@ class EvalPlan:
         import lm_eval
         import transformers
 
+        from runtime.device import CPU, Placement
         from runtime.model.layers.activation_dtype import choose_activation_dtype
 
+        placement = Placement.resolve(self.device, self.kernels)
         named_ppl = any(t in PERPLEXITY_TASKS for t in self.tasks)
         return {
             "tasks": sorted(self.tasks),
@@ -193,7 +197,8 @@ class EvalPlan:
             **({"perplexity_context": self.context} if self.context != DEFAULT_CONTEXT else {}),
             **({"text_file": self._text_file_settings()} if self.text_file else {}),
             "batch_size": self.batch_size,
-            "kvslim_dtype": choose_activation_dtype(self.dtype).name,  # auto resolves by the CPU
+            "kvslim_dtype": choose_activation_dtype(self.dtype, device=placement.device).name,  # auto: by the device
+            **({"kvslim_placement": f"{placement.device.type}/{placement.kernels}"} if placement != CPU else {}),
             **({"kvslim_kv_cache_dtype": self.kv_cache_dtype} if self.kv_cache_dtype != "auto" else {}),
             # how int4/int2 KV is read (a step's own rows exact, score a block per step)
             **({"kvslim_low_bit_read": 2} if self.kv_cache_dtype in ("int4", "int2") else {}),

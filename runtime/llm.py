@@ -21,6 +21,7 @@ from foundation.errors import KvslimError
 from foundation.kv_plan_file import planned_kv_dtype
 from foundation.model_source import resolve_model
 from runtime.cache.kv_cache import KVCacheSpec
+from runtime.device import Placement
 from runtime.engine.detokenizer import Detokenizer
 from runtime.engine.engine import (
     MODEL_KV_DTYPES,
@@ -87,9 +88,14 @@ class LLM:
         prefill_chunk: int = 1024,
         use_cpu_kernels: bool = True,
         kv_cache_dtype: str | None = None,
+        device: str = "auto",
+        kernels: str = "auto",
     ) -> None:
+        """``device`` (auto | cpu | cuda) and ``kernels`` (auto | torch | triton): where the model and
+        its cache live and which kernels run (``runtime.device.Placement``)."""
         self.path = resolve_model(checkpoint)
-        self.model = load_model(self.path, dtype, use_cpu_kernels=use_cpu_kernels)
+        self.placement = Placement.resolve(device, kernels)
+        self.model = load_model(self.path, dtype, use_cpu_kernels=use_cpu_kernels, placement=self.placement)
         self.activation_dtype = self.model.activation_dtype
         self.dtype = self.activation_dtype.dtype
         self.spec = self.model.spec

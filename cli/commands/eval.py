@@ -15,6 +15,7 @@ from pathlib import Path
 
 from foundation.errors import KvslimError
 from runtime.cache.kv_dtype_choices import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES
+from runtime.device_choices import DEVICE_HELP, DEVICES, KERNELS, KERNELS_HELP
 from runtime.model.layers.dtype_choices import DTYPE_CHOICES, DTYPE_HELP
 
 
@@ -40,6 +41,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help=f"--backend kvslim {DTYPE_HELP} (the hf backend runs float32)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help=f"--backend kvslim {KV_CACHE_DTYPE_HELP}")
+    p.add_argument("--device", default="auto", choices=DEVICES, help=f"--backend kvslim: {DEVICE_HELP}")
+    p.add_argument("--kernels", default="auto", choices=KERNELS, help=f"--backend kvslim: {KERNELS_HELP}")
     p.add_argument("--no-cache", action="store_true", help="re-run even when cached results exist")
 
 
@@ -136,8 +139,10 @@ def run(args: argparse.Namespace) -> int:
         raise KvslimError(f"--scheme {args.scheme} chooses recovery gates: it needs --baseline CKPT")
     if args.kv_cache_dtype != "auto" and args.backend != "kvslim":
         raise KvslimError("--kv-cache-dtype applies to --backend kvslim (the hf backend keeps transformers' cache)")
+    if (args.device, args.kernels) != ("auto", "auto") and args.backend != "kvslim":
+        raise KvslimError("--device / --kernels apply to --backend kvslim")
     plan = EvalPlan.make(_task_list(args.tasks), args.limit, args.ppl_tokens, args.batch_size, args.dtype,
-                         args.kv_cache_dtype, args.ctx, args.text)
+                         args.kv_cache_dtype, args.ctx, args.text, args.device, args.kernels)
     _check_json_path(args.json)
     ckpt = _checked_checkpoint(args.checkpoint, args.ctx)
     baseline = _checked_checkpoint(args.baseline, args.ctx) if args.baseline is not None else None

@@ -19,6 +19,14 @@ from pathlib import Path
 from foundation.errors import KvslimError
 from foundation.model_source import DEFAULT_MODEL
 from runtime.cache.kv_dtype_choices import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES
+from runtime.device_choices import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEVICE_HELP,
+    DEVICES,
+    GPU_MEMORY_HELP,
+    KERNELS,
+    KERNELS_HELP,
+)
 from runtime.model.layers.dtype_choices import DTYPE_CHOICES, DTYPE_HELP
 
 API_KEY_ENV = "KVSLIM_API_KEY"
@@ -33,11 +41,16 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (or set ${API_KEY_ENV})")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto", help=KV_CACHE_DTYPE_HELP)
+    p.add_argument("--device", default="auto", choices=DEVICES, help=DEVICE_HELP)
+    p.add_argument("--kernels", default="auto", choices=KERNELS, help=KERNELS_HELP)
+    p.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION,
+                   help=GPU_MEMORY_HELP)
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests in the running batch")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens")
     p.add_argument("--max-queue", type=int, default=None,
                    help="most requests held (running + waiting) before answering 429 (default: 4 x max-num-seqs)")
-    p.add_argument("--kv-cache-mib", type=int, default=512, help="KV cache budget in MiB")
+    p.add_argument("--kv-cache-mib", type=int, default=None,
+                   help="KV cache budget in MiB (default: 512 on the CPU; on CUDA by --gpu-memory-utilization)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: CKPT's name)")
     p.add_argument("--original", default=None, metavar="CKPT",
                    help="the uncompressed model, for the KV-saving metric (default: the default model when "
@@ -127,7 +140,10 @@ def _serve(args: argparse.Namespace, sock: socket.socket, ckpt, source: str) -> 
         kv_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype],
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
-        kv_cache_bytes=args.kv_cache_mib << 20,
+        kv_cache_bytes=None if args.kv_cache_mib is None else args.kv_cache_mib << 20,
+        device=args.device,
+        kernels=args.kernels,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     ))
     tokenizer = AutoTokenizer.from_pretrained(path)
 

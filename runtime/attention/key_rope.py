@@ -65,7 +65,7 @@ class KeyRope:
 
     @cached_property
     def inv_freq_tensor(self) -> torch.Tensor:
-        return torch.tensor(self.inv_freq, dtype=torch.float32)
+        return torch.tensor(self.inv_freq, dtype=torch.float32, device="cpu")  # copied per device by inv_freq_on
 
     @cached_property
     def _inv_freq_by_device(self) -> dict[torch.device, torch.Tensor]:

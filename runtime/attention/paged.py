@@ -55,17 +55,19 @@ class PagedBatch:
         device: torch.device | str = "cpu",
     ) -> "PagedBatch":
         num_groups = len(tables[0]) if tables else 0
+        host = torch.device("cpu")  # built on the host, copied to ``device`` once
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
-        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(first_positions, query_lens)])
-        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
+        positions = torch.cat([torch.arange(p, p + n, device=host) for p, n in zip(first_positions, query_lens)])
+        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens), device=host),
+                                               torch.tensor(query_lens, device=host))
         block_tables, slot_mapping = [], []
         for g in range(num_groups):
             width = max(len(t[g]) for t in tables)
-            bt = torch.zeros(len(tables), width, dtype=torch.int32)
+            bt = torch.zeros(len(tables), width, dtype=torch.int32, device=host)
             for i, t in enumerate(tables):
-                row = torch.tensor(t[g], dtype=torch.int32)
+                row = torch.tensor(t[g], dtype=torch.int32, device=host)
                 bt[i, : len(row)] = row.clamp_min(0) if RELEASED in t[g] else row
             slots = bt[seq_of_token, positions // block_size].long() * block_size + positions % block_size
             block_tables.append(bt.to(device))
@@ -134,23 +136,25 @@ def _plan(batch: PagedBatch, table: torch.Tensor, window: int | None, sinks: int
     """Blocks read: all of them (full attention), or the window's blocks after the blocks
     holding the ``sinks`` first positions (each block read once)."""
     bs = batch.block_size
+    dev = table.device  # every index built here lives where the block tables do
     sink_blocks = sink_block_count(sinks, bs) if window is not None else 0
     decode_blocks = decode_allowed = decode_bias = decode_new_key = decode_key_pos = None
     if batch.decode_seqs.numel():
         idx = batch.decode_seqs
         ctx = batch.context_lens[idx].long()  # [S]
         if window is None:
-            cols = torch.arange(-(-int(ctx.max()) // bs)).expand(len(idx), -1)
+            cols = torch.arange(-(-int(ctx.max()) // bs), device=dev).expand(len(idx), -1)
         else:
             lo = (ctx - window).clamp_min(0).div(bs, rounding_mode="floor").clamp_min(sink_blocks)
             # The window's blocks, but no more than the longest sequence has past its window's
             # first block: a short context reads its few blocks, not a whole window of masked ones.
             needed = int(((ctx + bs - 1) // bs - lo).max())
             n = max(1, min(-(-(window + bs - 1) // bs), needed))
-            cols = torch.cat([torch.arange(sink_blocks).expand(len(idx), -1), lo[:, None] + torch.arange(n)], dim=1)
+            sink_cols = torch.arange(sink_blocks, device=dev).expand(len(idx), -1)
+            cols = torch.cat([sink_cols, lo[:, None] + torch.arange(n, device=dev)], dim=1)
         # Columns past a table's end read block 0; their key positions are >= ctx, so masked.
         decode_blocks = table[idx[:, None], cols.clamp_max(table.shape[1] - 1)]
-        key_pos = decode_key_pos = (cols[:, :, None] * bs + torch.arange(bs)).flatten(1)  # [S, Tk]
+        key_pos = decode_key_pos = (cols[:, :, None] * bs + torch.arange(bs, device=dev)).flatten(1)  # [S, Tk]
         # The new token's key: in a sink block at its own position, else offset from the window's first column.
         last = ctx - 1
         in_sinks = last < sink_blocks * bs
@@ -162,7 +166,8 @@ def _plan(batch: PagedBatch, table: torch.Tensor, window: int | None, sinks: int
         if softcap:
             decode_allowed = allowed.unsqueeze(1)
         else:
-            decode_bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))[:, None, None]
+            decode_bias = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(~allowed, float("-inf"))
+            decode_bias = decode_bias[:, None, None]
     chunks = []
     starts = batch.query_start_loc.tolist()
     for i, n in enumerate(batch.query_lens):
@@ -171,9 +176,9 @@ def _plan(batch: PagedBatch, table: torch.Tensor, window: int | None, sinks: int
         first = batch.first_positions[i]
         ctx = first + n
         lo = 0 if window is None else max(0, first - window + 1) // bs
-        cols = torch.cat([torch.arange(min(sink_blocks, lo)), torch.arange(lo, -(-ctx // bs))])
-        key_pos = (cols[:, None] * bs + torch.arange(bs)).flatten()
-        dist = torch.arange(first, ctx)[:, None] - key_pos[None, :]
+        cols = torch.cat([torch.arange(min(sink_blocks, lo), device=dev), torch.arange(lo, -(-ctx // bs), device=dev)])
+        key_pos = (cols[:, None] * bs + torch.arange(bs, device=dev)).flatten()
+        dist = torch.arange(first, ctx, device=dev)[:, None] - key_pos[None, :]
         allowed = dist >= 0
         if window is not None:
             allowed &= (dist < window) | (key_pos < sinks)[None, :]
@@ -284,5 +289,5 @@ class PagedAttentionBackend:
 
 def _put_decode_rows(kk: torch.Tensor, vv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor) -> None:
     """Overwrite each decoding sequence's own new key/value (read back from the cache) with the exact one."""
-    seqs = torch.arange(kk.shape[0])
+    seqs = torch.arange(kk.shape[0], device=kk.device)
     kk[seqs, at], vv[seqs, at] = k.to(kk.dtype), v.to(vv.dtype)

@@ -26,9 +26,15 @@ ATTENTION_BACKENDS: dict[str, tuple[str, str]] = {
 DEFAULT_ATTENTION_BACKEND = "torch"
 
 
-def make_attention_backend(name: str, cache: KVCache, params: Sequence[AttentionParams]):
-    """The backend registered as ``name`` over ``cache``; one line naming the choices otherwise."""
+def make_attention_backend(name: str, cache: KVCache, params: Sequence[AttentionParams], **options):
+    """The backend registered as ``name`` over ``cache`` (``options``: its own, e.g. the Triton
+    backend's ``use_triton``); one line naming the choices otherwise."""
     if name not in ATTENTION_BACKENDS:
         raise KvslimError(f"attention backend {name!r} is not known (known: {', '.join(ATTENTION_BACKENDS)})")
     module, cls = ATTENTION_BACKENDS[name]
-    return getattr(importlib.import_module(module), cls)(cache, params)
+    return getattr(importlib.import_module(module), cls)(cache, params, **options)
+
+
+def default_attention_backend(kernels: str) -> str:
+    """The backend for a model's kernel family (``runtime.device.Placement.kernels``)."""
+    return "triton" if kernels == "triton" else DEFAULT_ATTENTION_BACKEND

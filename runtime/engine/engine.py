@@ -29,10 +29,11 @@ from foundation.checkpoint import Checkpoint
 from foundation.errors import KvslimError
 from foundation.kv_plan_file import planned_kv_dtype
 from runtime.attention.paged import PagedBatch
-from runtime.attention.registry import DEFAULT_ATTENTION_BACKEND, make_attention_backend
+from runtime.attention.registry import default_attention_backend, make_attention_backend
 from runtime.cache.kv_cache import KVCache, KVCacheSpec
 from runtime.cache.kv_quant import QUANT_DTYPES
 from runtime.cache.low_bit_kv import default_block_size
+from runtime.device import DEFAULT_GPU_MEMORY_UTILIZATION, Placement, cuda_kv_budget
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.sampling import (
     SamplingParams,
@@ -47,23 +48,29 @@ from runtime.model.decoder import Decoder
 
 MODEL_KV_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 MIB = 1 << 20
+DEFAULT_CPU_KV_BYTES = 512 * MIB
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine knobs. ``kv_dtype``: fp32 | bf16 | fp16 | fp8_e4m3 | int8 | int4 | int2, or None for the model
     dtype (``from_checkpoint``: the checkpoint's ``kv_cache_scheme``, else its KV plan's). ``kv_cache_bytes`` sizes
-    the block pools."""
+    the block pools (None: 512 MiB on the CPU; on CUDA what ``gpu_memory_utilization`` leaves).
+    ``device`` / ``kernels`` place the model ``from_checkpoint`` loads (``runtime.device``); an engine
+    built over a loaded model follows that model's placement."""
 
     dtype: str = "auto"  # activations: auto (runtime.model.layers.activation_dtype) | float32 | bfloat16 | float16
     kv_dtype: str | None = None
     block_size: int | None = None  # tokens per block; None: 16, or 64 for int4/int2 KV (default_block_size)
-    kv_cache_bytes: int = 512 * MIB
+    kv_cache_bytes: int | None = None
+    device: str = "auto"  # auto | cpu | cuda
+    kernels: str = "auto"  # auto | torch | triton
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: min(model's max_position_embeddings, 4096)
     enable_prefix_caching: bool = True
-    attention_backend: str = DEFAULT_ATTENTION_BACKEND  # a name in runtime.attention.registry
+    attention_backend: str | None = None  # a name in runtime.attention.registry; None: by the model's kernels
 
 
 @dataclass
@@ -114,6 +121,7 @@ class Engine:
     ):
         self.model = model
         self.config = config
+        self.device = model.device  # the engine follows its model (runtime.device.Placement)
         spec = model.spec
         layout: AttentionLayout = spec.attention
         kv_dtype = config.kv_dtype or kv_dtype_default or MODEL_KV_DTYPES[model.dtype]
@@ -127,20 +135,23 @@ class Engine:
                           for g in range(len(self.kv_spec.groups)))
         # Sliding groups reserve for decoding; a lone sequence's prefill chunk needs more.
         floor = tuple(max(0, need - self.kv_spec.max_blocks_per_seq(g, self.max_model_len)) for g, need in enumerate(in_flight))
-        num_blocks = self.kv_spec.plan_num_blocks(config.kv_cache_bytes, self.max_model_len, floor)
+        budget = self._kv_budget()
+        num_blocks = self.kv_spec.plan_num_blocks(budget, self.max_model_len, floor)
         for g, need in enumerate(in_flight):
             if num_blocks[g] < need:  # a lone sequence must always fit
                 raise KvslimError(
-                    f"KV cache of {config.kv_cache_bytes / MIB:.0f} MiB holds {num_blocks[g]} blocks in group {g}; "
+                    f"KV cache of {budget / MIB:.0f} MiB holds {num_blocks[g]} blocks in group {g}; "
                     f"one sequence of max_model_len={self.max_model_len} needs {need}: raise kv_cache_bytes "
                     "or lower max_model_len"
                 )
         # Low-bit KV keeps each running sequence's open block exact: one residual block per
         # sequence that can run, plus one for Engine.score.
-        self.cache = KVCache(self.kv_spec, num_blocks, layer_scales=layer_scales if static else None,
+        self.cache = KVCache(self.kv_spec, num_blocks, self.device, layer_scales=layer_scales if static else None,
                              residual_blocks=config.max_num_seqs + 1, residual_dtype=model.dtype)
-        self.backend = make_attention_backend(
-            config.attention_backend, self.cache, spec.all_attention_params())
+        placement = model.placement
+        backend = config.attention_backend or default_attention_backend(placement.kernels)
+        options = {"use_triton": True} if backend == "triton" and placement.triton_interpreted else {}
+        self.backend = make_attention_backend(backend, self.cache, spec.all_attention_params(), **options)
         self.block_manager = BlockManager(num_blocks, self.block_size, self.kv_spec.windows, config.enable_prefix_caching,
                                           on_free=self.cache.release_block, sinks=self.kv_spec.sinks)
         self.scheduler = Scheduler(
@@ -152,6 +163,14 @@ class Engine:
         self._sent: dict[int, int] = {}  # tokens already reported per request
         self._generators: dict[int, torch.Generator | None] = {}
         self._prompt_logprobs: dict[int, list[TokenLogprob | None]] = {}
+
+    def _kv_budget(self) -> int:
+        """Bytes for the block pools: the configured figure, else by device."""
+        if self.config.kv_cache_bytes is not None:
+            return self.config.kv_cache_bytes
+        if self.device.type == "cuda":
+            return cuda_kv_budget(self.device, self.config.gpu_memory_utilization)
+        return DEFAULT_CPU_KV_BYTES
 
     @classmethod
     def sized_for(cls, model: Decoder, longest: int, num_seqs: int, **config) -> "Engine":
@@ -176,7 +195,7 @@ class Engine:
         from runtime.model.loader import load_model
 
         ckpt = model if isinstance(model, Checkpoint) else Checkpoint.open(resolve_model(str(model)))
-        decoder = load_model(ckpt, config.dtype)
+        decoder = load_model(ckpt, config.dtype, placement=Placement.resolve(config.device, config.kernels))
         spec = decoder.spec
         scales = kv_layer_scales(ckpt, spec.attention.cache_owners())
         # the checkpoint's own KV choice: its kv_cache_scheme, else the KV plan's dtype (plan.json)
@@ -199,7 +218,7 @@ class Engine:
                        use_prefix_cache=params.prompt_logprobs is None)
         self.scheduler.add(seq)
         self._sent[rid] = 0
-        self._generators[rid] = make_generator(params)
+        self._generators[rid] = make_generator(params, self.device)
         if params.prompt_logprobs is not None:
             self._prompt_logprobs[rid] = [None]
         return rid
@@ -246,9 +265,10 @@ class Engine:
             [s.first_position for s in sched],
             [s.num_new_tokens for s in sched],
             [self.block_manager.block_tables(s.seq.seq_id) for s in sched],
+            self.device,
         )
         self.backend.set_batch(batch)
-        hidden = self.model(torch.tensor(ids, dtype=torch.long), batch.positions, self.backend)
+        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), batch.positions, self.backend)
         starts = batch.query_start_loc.tolist()
         for i, s in enumerate(sched):
             if s.seq.seq_id in self._prompt_logprobs:
@@ -273,7 +293,8 @@ class Engine:
         lo = len(lps) - 1 - first  # first row whose target has no logprob yet (recompute skips)
         hi = min(hidden.shape[0], seq.num_prompt_tokens - 1 - first)
         if hi > lo:
-            targets = torch.tensor(seq.prompt_token_ids[first + lo + 1:first + hi + 1], dtype=torch.long)
+            targets = torch.tensor(seq.prompt_token_ids[first + lo + 1:first + hi + 1], dtype=torch.long,
+                                   device=self.device)
             lps.extend(token_logprobs(self.model.compute_logits(hidden[lo:hi]), targets, seq.sampling.prompt_logprobs))
 
     def _output(self, seq: Sequence) -> StepOutput:
@@ -321,9 +342,10 @@ class Engine:
                 bm.release_window(sid, start)
                 if not bm.append(sid, start, start + n):
                     raise KvslimError("score: no free KV blocks (the engine is busy)")
-                batch = PagedBatch.build(self.block_size, [start], [n], [bm.block_tables(sid)])
+                batch = PagedBatch.build(self.block_size, [start], [n], [bm.block_tables(sid)], self.device)
                 self.backend.set_batch(batch)
-                hidden = self.model(torch.tensor(ids[start:start + n], dtype=torch.long), batch.positions, self.backend)
+                step_ids = torch.tensor(ids[start:start + n], dtype=torch.long, device=self.device)
+                hidden = self.model(step_ids, batch.positions, self.backend)
                 out.append(self.model.compute_logits(hidden))
                 start += n
         finally:

@@ -73,9 +73,10 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
-    """A private RNG for a seeded request (``None``: torch's global RNG)."""
-    return None if params.seed is None else torch.Generator().manual_seed(params.seed)
+def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A private RNG on ``device`` (where the logits are sampled) for a seeded request (``None``:
+    torch's global RNG)."""
+    return None if params.seed is None else torch.Generator(device=device).manual_seed(params.seed)
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top: int) -> list[TokenLogprob]:

@@ -1,5 +1,7 @@
 """Route each op by device and declared scheme: CUDA tensors to the Triton kernels (or
-``torch._scaled_mm`` for FP8 W8A8), CPU tensors to the plain-torch reference paths.
+``torch._scaled_mm`` for FP8 W8A8), CPU tensors to the plain-torch reference paths;
+``use_triton=True`` sends CPU tensors to the Triton kernels too (Triton's interpreter, for tests
+and ``--kernels triton`` on a machine without a GPU).
 
 The engine calls these functions; which implementation runs is decided here only.
 """
@@ -54,6 +56,10 @@ def _on_cuda(x: torch.Tensor) -> bool:
     return x.device.type == "cuda"
 
 
+def _triton(x: torch.Tensor, use_triton: bool | None) -> bool:
+    return _on_cuda(x) if use_triton is None else use_triton
+
+
 def _tensor(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
     if name not in tensors:
         raise KvslimError(f"quantized linear is missing tensor {name!r} (has {sorted(tensors)})")
@@ -65,16 +71,17 @@ def quantized_linear(
     scheme: WeightScheme,
     tensors: Mapping[str, torch.Tensor],
     bias: torch.Tensor | None = None,
+    use_triton: bool | None = None,
 ) -> torch.Tensor:
     """``x [..., K] -> [..., N]`` through a compressed-tensors weight (tensor names as on disk,
-    without the module prefix)."""
+    without the module prefix). FP8 W8A8 takes ``torch._scaled_mm`` on an sm_89+ GPU only."""
     x2 = x.reshape(-1, x.shape[-1])
     if scheme.kind == "int":
         zp = tensors.get("weight_zero_point")
         if scheme.symmetric == (zp is not None):
             raise KvslimError(f"scheme symmetric={scheme.symmetric} but weight_zero_point is {'present' if zp is not None else 'absent'}")
         args = (_tensor(tensors, "weight_packed"), _tensor(tensors, "weight_scale"), scheme.num_bits, zp, tensors.get("weight_g_idx"))
-        fn = dm.int_weight_matmul if _on_cuda(x2) else dm.reference_int_weight_matmul
+        fn = dm.int_weight_matmul if _triton(x2, use_triton) else dm.reference_int_weight_matmul
         y = fn(x2, *args)
     else:
         w, s = _tensor(tensors, "weight"), _tensor(tensors, "weight_scale")
@@ -82,7 +89,7 @@ def quantized_linear(
             hopper = _on_cuda(x2) and torch.cuda.get_device_capability(x2.device) >= (8, 9)
             y = dm.fp8_w8a8_matmul(x2, w, s) if hopper else dm.reference_fp8_w8a8_matmul(x2, w, s)
         else:
-            y = dm.fp8_weight_matmul(x2, w, s) if _on_cuda(x2) else dm.reference_fp8_weight_matmul(x2, w, s)
+            y = dm.fp8_weight_matmul(x2, w, s) if _triton(x2, use_triton) else dm.reference_fp8_weight_matmul(x2, w, s)
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -21,6 +21,7 @@ from torch import nn
 from foundation.architecture import QKV_PROJECTIONS
 from foundation.tensor_shapes import layer_linears
 from runtime.attention.backend import AttentionBackend
+from runtime.device import CPU, Placement
 from runtime.model.layers.activation_dtype import ActivationDtype
 from runtime.model.layers.attention import Attention
 from runtime.model.layers.mlp import GatedMLP
@@ -87,16 +88,21 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     """Embeddings, the decoder layers, the final norm and the LM head."""
 
-    def __init__(self, spec: ModelSpec, weights: WeightSource, activation_dtype: ActivationDtype) -> None:
+    def __init__(self, spec: ModelSpec, weights: WeightSource, activation_dtype: ActivationDtype,
+                 placement: Placement = CPU) -> None:
+        """``placement``: where ``load_model`` puts the model and which kernels its Linears took
+        (the engine follows it: its cache, metadata and attention backend)."""
         super().__init__()
         self.spec = spec
+        self.placement = placement
         self.activation_dtype = activation_dtype  # the dtype and why it was chosen
         self.dtype = dtype = activation_dtype.dtype
         embed = weights.tensor("model.embed_tokens.weight").to(dtype)
         self.register_buffer("embed_tokens", embed, persistent=False)
-        self.embed_scale = None
+        embed_scale = None
         if spec.embed_scale is not None:  # as transformers: the scale rounded to the weight dtype
-            self.embed_scale = torch.tensor(spec.embed_scale).to(dtype)
+            embed_scale = torch.tensor(spec.embed_scale).to(dtype)
+        self.register_buffer("embed_scale", embed_scale, persistent=False)
         ropes = sorted(set(spec.rope), key=spec.rope.index)
         self.rotary = nn.ModuleList(RotaryEmbedding(r, spec.head_dim, spec.max_position_embeddings) for r in ropes)
         self.rope_of_layer = [ropes.index(r) for r in spec.rope]
@@ -105,6 +111,10 @@ class Decoder(nn.Module):
         final = weights.tensor("model.norm.weight")
         self.norm.weight.data = final.float() if spec.norm_offset else final.to(dtype)
         self.lm_head = None if spec.tie_word_embeddings else weights.linear("lm_head", False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         """input_ids, positions ``int64 [T]`` -> final-normed hidden ``[T, hidden]`` in the model dtype."""

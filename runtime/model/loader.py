@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 from foundation.checkpoint import Checkpoint
-from foundation.errors import CheckpointError
+from foundation.errors import CheckpointError, KvslimError
 from foundation.tensor_shapes import check_tensors, check_understood, expected_tensors
+from runtime.device import CPU, Placement
 from runtime.model.decoder import Decoder
-from runtime.model.layers.activation_dtype import choose_activation_dtype
+from runtime.model.layers.activation_dtype import ActivationDtype, choose_activation_dtype
 from runtime.model.layers.fused_linear import (
     FusedLinear,
     SeparateLinears,
@@ -37,10 +38,12 @@ class CheckpointWeights:
     """``WeightSource`` over an open checkpoint; records which tensors were taken."""
 
     def __init__(
-        self, ckpt: Checkpoint, spec: ModelSpec, dtype: torch.dtype, use_cpu_kernels: bool, fuse: bool = True
+        self, ckpt: Checkpoint, spec: ModelSpec, dtype: torch.dtype, use_cpu_kernels: bool, fuse: bool = True,
+        placement: Placement = CPU,
     ) -> None:
         self.ckpt, self.spec, self.dtype, self.use_cpu_kernels = ckpt, spec, dtype, use_cpu_kernels
         self.fuse = fuse
+        self.kernels = dict(kernels=placement.kernels, interpreted=placement.triton_interpreted)
         self.used: set[str] = set()
 
     def check_tensors(self) -> None:
@@ -75,7 +78,8 @@ class CheckpointWeights:
         return self.spec.quant.scheme_for(name) if self.spec.quant else None
 
     def linear(self, name: str, bias: bool) -> nn.Module:
-        return make_linear(name, self._linear_tensors(name, bias), self._scheme(name), self.dtype, self.use_cpu_kernels)
+        return make_linear(name, self._linear_tensors(name, bias), self._scheme(name), self.dtype, self.use_cpu_kernels,
+                           **self.kernels)
 
     def linears(self, names: Sequence[str], bias: bool) -> nn.Module:
         """Linears over one input (q/k/v, gate/up): one ``FusedLinear`` when fusion is on and
@@ -93,9 +97,9 @@ class CheckpointWeights:
             make_linear(n, p, schemes[0], self.dtype, use_cpu_kernels=False)
         stacked = stack_linear_tensors(parts, schemes[0])
         if stacked is None:
-            return SeparateLinears([make_linear(n, p, schemes[0], self.dtype, self.use_cpu_kernels)
+            return SeparateLinears([make_linear(n, p, schemes[0], self.dtype, self.use_cpu_kernels, **self.kernels)
                                     for n, p in zip(names, parts)])
-        fused = make_linear("+".join(names), stacked, schemes[0], self.dtype, self.use_cpu_kernels)
+        fused = make_linear("+".join(names), stacked, schemes[0], self.dtype, self.use_cpu_kernels, **self.kernels)
         return FusedLinear(fused, [out_features(p) for p in parts])
 
     def check_all_used(self) -> None:
@@ -103,7 +107,8 @@ class CheckpointWeights:
 
 
 def load_model(
-    path: str | Path | Checkpoint, dtype: str | torch.dtype = "float32", use_cpu_kernels: bool = True, fuse: bool = True
+    path: str | Path | Checkpoint, dtype: str | torch.dtype = "float32", use_cpu_kernels: bool = True, fuse: bool = True,
+    placement: Placement = CPU,
 ) -> Decoder:
     """Load a checkpoint directory into a ``Decoder`` in eval mode.
 
@@ -112,16 +117,25 @@ def load_model(
     ``use_cpu_kernels``: use torch's weight-only INT4/INT8 CPU kernels where they apply (bf16), and
     ``torch._int_mm`` for W8A8 (False: its fake-quantize + dequantize reference path).
     ``fuse``: q/k/v and gate/up projections as one GEMM each where their schemes match.
+    ``placement``: the device the model goes to and its kernels (``runtime.device``); torch's CPU
+    kernels only on the CPU with torch kernels; Triton's interpreter (CPU) computes in fp32 only.
     """
     ckpt = path if isinstance(path, Checkpoint) else Checkpoint.open(path)
     spec = ModelSpec.from_config(ckpt.config, ckpt.generation_config)
-    choice = choose_activation_dtype(dtype, tuple(g.scheme for g in spec.quant.groups) if spec.quant else ())
-    weights = CheckpointWeights(ckpt, spec, choice.dtype, use_cpu_kernels, fuse)
+    schemes = tuple(g.scheme for g in spec.quant.groups) if spec.quant else ()
+    if placement.triton_interpreted and dtype == "auto":
+        choice = ActivationDtype(torch.float32, "auto: Triton's interpreter computes fp32 only")
+    else:
+        choice = choose_activation_dtype(dtype, schemes, placement.device)
+    if placement.triton_interpreted and choice.dtype != torch.float32:
+        raise KvslimError(f"--kernels triton on the CPU (Triton's interpreter) computes fp32 only, not {dtype}")
+    cpu_kernels = use_cpu_kernels and placement == CPU
+    weights = CheckpointWeights(ckpt, spec, choice.dtype, cpu_kernels, fuse, placement)
     weights.check_tensors()
     with torch.no_grad():
-        model = Decoder(spec, weights, choice)
+        model = Decoder(spec, weights, choice, placement)
     weights.check_all_used()
-    return model.eval().requires_grad_(False)
+    return model.to(placement.device).eval().requires_grad_(False)
 
 
 def live_weight_bytes(model: nn.Module) -> int:

@@ -79,3 +79,12 @@ def test_cli_errors_are_one_line_exit_2(tiny_with_tokenizer, capsys, argv, messa
     err = capsys.readouterr().err
     assert rc == 2
     assert message in err and err.count("\n") == 1 and err.startswith("compress generate: error:")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("command", [["generate", "{ckpt}", "hi"], ["serve", "{ckpt}"],
+                                     ["eval", "{ckpt}", "--backend", "kvslim", "--tasks", "ppl_wikipedia"]])
+def test_device_cuda_without_cuda_is_one_line_exit_2(tiny_with_tokenizer, capsys, command):
+    rc = main([a.replace("{ckpt}", str(tiny_with_tokenizer)) for a in command] + ["--device", "cuda"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "--device cuda: no CUDA device" in err

@@ -39,11 +39,26 @@ heads calls the backend once per entry, with that entry's heads."""
         self.parts = parts or (EntryPart(layer_idx, tuple(range(num_kv_heads))),)
         rep = num_heads // num_kv_heads
         # per part: its KV heads and query heads, as slices when contiguous, else index tensors
-        self._part_heads = [(_heads(p.heads), _heads(tuple(h * rep + r for h in p.heads for r in range(rep))))
-                            for p in self.parts]
+        # (buffers, so they follow the model's device)
+        self._part_heads = []
+        for i, p in enumerate(self.parts):
+            kv = self._selection(f"part{i}_kv_heads", p.heads)
+            self._part_heads.append((kv, self._selection(f"part{i}_q_heads", tuple(h * rep + r for h in p.heads
+                                                                                     for r in range(rep)))))
         order = [h for p in self.parts for h in p.heads]
-        self._unpermute = None if order == sorted(order) else _heads(tuple(
+        self._unpermute = None if order == sorted(order) else self._selection("unpermute", tuple(
             j * rep + r for j in sorted(range(len(order)), key=order.__getitem__) for r in range(rep)))
+
+    def _selection(self, name: str, index: tuple[int, ...]) -> slice | str:
+        """A head selection: a slice when ``index`` is a contiguous ascending run, else the name of
+        an index buffer."""
+        if index == tuple(range(index[0], index[0] + len(index))):
+            return slice(index[0], index[0] + len(index))
+        self.register_buffer(name, torch.tensor(index, dtype=torch.long), persistent=False)
+        return name
+
+    def _select(self, x: torch.Tensor, selection: slice | str) -> torch.Tensor:
+        return x[:, selection] if isinstance(selection, slice) else x.index_select(1, getattr(self, selection))
 
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend
@@ -64,15 +79,8 @@ heads calls the backend once per entry, with that entry's heads."""
         if len(self.parts) == 1:
             out = backend.attend(self.parts[0].entry, q, k, v)
         else:  # each entry attends with its own heads (and its own cache and window)
-            out = torch.cat([backend.attend(p.entry, q[:, qh], k[:, kvh], v[:, kvh])
+            out = torch.cat([backend.attend(p.entry, self._select(q, qh), self._select(k, kvh), self._select(v, kvh))
                              for p, (kvh, qh) in zip(self.parts, self._part_heads)], dim=1)
             if self._unpermute is not None:
-                out = out[:, self._unpermute]
+                out = self._select(out, self._unpermute)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
-
-
-def _heads(index: tuple[int, ...]) -> slice | torch.Tensor:
-    """A head selection: a slice when ``index`` is a contiguous ascending run, else an index tensor."""
-    if index == tuple(range(index[0], index[0] + len(index))):
-        return slice(index[0], index[0] + len(index))
-    return torch.tensor(index, dtype=torch.long)

@@ -29,7 +29,7 @@ from foundation.activation_quant import (
     fake_quantize_int8_per_token,
     quantize_int8_per_token,
 )
-from foundation.errors import CheckpointError
+from foundation.errors import CheckpointError, KvslimError
 from foundation.primitives import FP8_DTYPE, decode_linear, dequantize_linear
 from foundation.schemes import QuantScheme
 
@@ -223,18 +223,25 @@ def make_linear(
     scheme: QuantScheme | None,
     dtype: torch.dtype,
     use_cpu_kernels: bool = True,
+    kernels: str = "torch",
+    interpreted: bool = False,
 ) -> nn.Module:
     """Build the Linear for module ``name`` from its checkpoint tensors (names relative to it).
 
     ``scheme`` is the declared quantization of this Linear (``None``: floating point).
     ``use_cpu_kernels=False`` forces the dequantize-per-forward path (the numerical reference; for
     W8A8: fake-quantized activations times the dequantized weight instead of ``torch._int_mm``).
+    ``kernels="triton"``: weight-only INT4/INT8 and FP8 Linears run the Triton dequant-matmul
+    (``KernelLinear``; ``interpreted``: forced on the CPU, under Triton's interpreter).
     """
     bias = tensors.get("bias")
     if scheme is None:
         if "weight" not in tensors or not tensors["weight"].is_floating_point() or tensors["weight"].dtype == FP8_DTYPE:
             raise CheckpointError(f"{name}: expected a floating-point weight (no quantization declared for it)")
         return DenseLinear(tensors["weight"], bias, dtype)
+    kernel = _kernel_linear(name, tensors, scheme, bias, interpreted) if kernels == "triton" else None
+    if kernel is not None:
+        return kernel
     needed = ("weight", "weight_scale") if not scheme.is_packed else ("weight_packed", "weight_scale", "weight_shape")
     if not scheme.symmetric and scheme.is_packed:
         needed += ("weight_zero_point",)
@@ -261,3 +268,21 @@ def make_linear(
     if use_cpu_kernels and Int8PackLinear.supports(scheme, tensors, dtype):
         return Int8PackLinear(tensors, scheme, bias, dtype)
     return PackedIntLinear(tensors, scheme, bias, dtype)
+
+
+def _kernel_linear(name: str, tensors: dict[str, torch.Tensor], scheme: QuantScheme, bias: torch.Tensor | None,
+                   interpreted: bool) -> nn.Module | None:
+    """The Triton dequant-matmul Linear for a scheme it computes (weight-only INT4/INT8, FP8), its
+    tensors checked as for the torch path; None for the others (W8A8 INT8 keeps ``torch._int_mm``)."""
+    from runtime.kernels.dispatch import WeightScheme
+    from runtime.kernels.kernel_linear import KernelLinear
+
+    try:
+        WeightScheme.from_scheme(scheme)
+    except KvslimError:
+        return None
+    if scheme.type == "float" and scheme.input_activations is not None and interpreted:
+        return None  # FP8 activations: the interpreter's fp32 -> fp8 casts are wrong; the torch path
+    make_linear(name, tensors, scheme, torch.float32, use_cpu_kernels=False)  # same checks, same errors
+    return KernelLinear({k: v for k, v in tensors.items() if k != "bias"}, scheme, bias,
+                        use_triton=True if interpreted else None)
