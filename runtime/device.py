@@ -33,6 +33,10 @@ class Placement:
     def triton_interpreted(self) -> bool:
         return self.kernels == "triton" and self.device.type == "cpu"
 
+    def describe(self) -> str:
+        interpreted = " (Triton's interpreter)" if self.triton_interpreted else ""
+        return f"{self.device.type}, {self.kernels} kernels{interpreted}"
+
     @classmethod
     def resolve(cls, device: str = "auto", kernels: str = "auto") -> "Placement":
         """``auto`` device: cuda when torch sees one, else cpu; ``auto`` kernels: triton on cuda

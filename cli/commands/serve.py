@@ -167,7 +167,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, ckpt, source: str) -> 
         f"compress serve: {model_name} ({path}) on http://{url_host}:{args.port}  kv={group.kv_dtype} "
         f"{footprint.bytes_per_token:.0f} B/token (original in bf16: {footprint.original_bytes_per_token:.0f}), "
         f"max_model_len={engine.max_model_len}, max_num_seqs={args.max_num_seqs}, queue={max_queue}, "
-        f"activations {engine.model.activation_dtype.describe()}\n")
+        f"activations {engine.model.activation_dtype.describe()}, {engine.model.placement.describe()}\n")
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            access_log=False))
     # uvicorn drains on SIGTERM, then re-raises it into the handler it found (the default one kills
