@@ -43,8 +43,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     glob.add_argument("--global-every", type=int, metavar="G", help="one global layer in G (layers G-1, 2G-1, ...)")
     glob.add_argument("--global-layers", type=_layer_list, metavar="i,j,...", help="these layers stay global")
     p.add_argument("--sinks", type=int, metavar="S", default=None,
-                   help="sliding layers also attend to the first S tokens (attention sinks; default 4 with "
-                        "--sliding-window, 0 turns them off)")
+                   help="sliding layers (or streaming heads) also attend to the first S tokens (attention sinks; "
+                        "default 4 with --sliding-window, 0 turns them off)")
     p.add_argument("--streaming-heads", type=_fraction_or_auto, metavar="FRACTION|auto",
                    help="this share of all KV heads (lowest-scored on calibration text, across layers) attends to "
                         "the sinks + the last W tokens only, the rest to everything (DuoAttention); auto: 0.5 for "

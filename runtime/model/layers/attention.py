@@ -15,7 +15,7 @@ class Attention(nn.Module):
     """One layer's attention. ``qkv_proj(hidden)`` returns ``(q, k, v)`` (one fused GEMM or three
     Linears, ``runtime.model.layers.fused_linear``), or ``(q,)`` for a layer that reads another layer's
     KV: it passes ``k = v = None`` to the backend, which reads the owner's cache. A layer with streaming
-heads calls the backend once per entry, with that entry's heads."""
+    heads calls the backend once per attention entry, with that entry's heads."""
 
     def __init__(
         self,
