@@ -122,9 +122,17 @@ def test_sinks_model_matches_core_and_holds_only_sinks_and_window(tiny_llama, tm
                                              kv_cache_bytes=1 << 20))
     sliding = [g for g, grp in enumerate(engine.kv_spec.groups) if grp.window is not None]
     assert [engine.kv_spec.groups[g].sinks for g in sliding] == [5]
-    limit = -(-5 // bs) + -(-(8 + bs - 1) // bs) + 1
     ps = prompts(4, seed=3, lo=20, hi=40)
     params = SamplingParams(max_tokens=40, temperature=0, logprobs=3, ignore_eos=True)
+    outs, most = generate_counting_blocks(engine, ps, params, sliding)
+    assert 0 < most <= -(-5 // bs) + -(-(8 + bs - 1) // bs) + 1
+    for o, r in zip(outs, core.generate(ps, params)):
+        assert_same(o, r)
+
+
+def generate_counting_blocks(engine, ps, params, groups) -> tuple[list, int]:
+    """Outputs in prompt order, and the most blocks any decoding sequence held in one of
+    ``groups`` (counted from the block tables after every step)."""
     ids = [engine.add_request(p, params) for p in ps]
     outs, most, decoding = {}, 0, set()
     while engine.has_unfinished:
@@ -135,17 +143,16 @@ def test_sinks_model_matches_core_and_holds_only_sinks_and_window(tiny_llama, tm
                 decoding.add(o.request_id)
         for seq_id, tables in engine.block_manager.tables.items():
             if seq_id in decoding:
-                most = max(most, sum(1 for b in tables[sliding[0]] if b >= 0))
-    assert 0 < most <= limit
-    for i, r in zip(ids, core.generate(ps, params)):
-        assert_same(outs[i], r)
+                most = max(most, *(sum(1 for b in tables[g] if b >= 0) for g in groups))
+    return [outs[i] for i in ids], most
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "int8", "int4"])
 def test_streaming_heads_match_core_and_hold_only_sinks_and_window(tiny_llama, tmp_path, kv_dtype):
     """Streaming KV heads (split layers, a fully streaming layer): the same outputs as the plain
-    run (fp32, int8 KV), full and streaming heads cached in separate groups, and the streaming groups never hold
-    more than the sink blocks, the window's blocks and one block being filled per decoding sequence."""
+    run (fp32, int8 KV), full and streaming heads cached in separate groups, and the streaming
+    groups never hold more than the sink blocks, the window's blocks and one block being filled per
+    decoding sequence."""
     from attention_variants.convert import ConvertSpec, convert
 
     spec = ConvertSpec(sliding_window=8, sinks=5, streaming_set=((), (1,), (0, 1), (0,)))
@@ -158,26 +165,15 @@ def test_streaming_heads_match_core_and_hold_only_sinks_and_window(tiny_llama, t
     assert sorted((g.kind, g.num_kv_heads, g.layers) for g in groups) == [
         ("full", 1, (1, 3)), ("full", 2, (0,)), ("sliding", 1, (4, 5)), ("sliding", 2, (2,))]
     streaming = [g for g, grp in enumerate(groups) if grp.window is not None]
-    limit = -(-5 // bs) + -(-(8 + bs - 1) // bs) + 1
     ps = prompts(4, seed=3, lo=20, hi=40)
     params = SamplingParams(max_tokens=40, temperature=0, logprobs=3, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in ps]
-    outs, most, decoding = {}, 0, set()
-    while engine.has_unfinished:
-        for o in engine.step():
-            if o.finished:
-                outs[o.request_id] = o
-            elif len(o.token_ids) >= 2:
-                decoding.add(o.request_id)
-        for seq_id, tables in engine.block_manager.tables.items():
-            if seq_id in decoding:
-                most = max(most, *(sum(1 for b in tables[g] if b >= 0) for g in streaming))
-    assert 0 < most <= limit
+    outs, most = generate_counting_blocks(engine, ps, params, streaming)
+    assert 0 < most <= -(-5 // bs) + -(-(8 + bs - 1) // bs) + 1
     if kv_dtype == "int4":  # packed KV is quantized per block, and the core picks its own block size
         return
     tol = LP_TOL if kv_dtype == "fp32" else 1e-3  # dequantized K/V meet different batch shapes: fp32 sums reorder
-    for i, r in zip(ids, core.generate(ps, params)):
-        assert_same(outs[i], r, tol=tol)
+    for o, r in zip(outs, core.generate(ps, params)):
+        assert_same(o, r, tol=tol)
 
 
 def test_prefix_hits_and_preemption_keep_outputs(tiny_llama):
