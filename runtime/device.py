@@ -17,9 +17,8 @@ from typing import Literal
 import torch
 
 from foundation.errors import KvslimError
-from runtime.device_choices import DEFAULT_GPU_MEMORY_UTILIZATION, DEVICES, KERNELS
+from runtime.device_choices import DEVICES, KERNELS
 
-__all__ = ["CPU", "DEFAULT_GPU_MEMORY_UTILIZATION", "Placement", "cuda_kv_budget"]
 
 @dataclass(frozen=True)
 class Placement:

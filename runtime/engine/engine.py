@@ -33,7 +33,8 @@ from runtime.attention.registry import default_attention_backend, make_attention
 from runtime.cache.kv_cache import KVCache, KVCacheSpec
 from runtime.cache.kv_quant import QUANT_DTYPES
 from runtime.cache.low_bit_kv import default_block_size
-from runtime.device import DEFAULT_GPU_MEMORY_UTILIZATION, Placement, cuda_kv_budget
+from runtime.device import Placement, cuda_kv_budget
+from runtime.device_choices import DEFAULT_GPU_MEMORY_UTILIZATION
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.sampling import (
     SamplingParams,
