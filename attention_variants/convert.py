@@ -4,9 +4,10 @@ streaming heads).
 The rewrites combine in one pass, in this order: merge KV heads, share KV across layers (within
 runs of layers of the same kind), then mark layers local/global, with attention sinks on the
 local ones. Streaming heads (sinks + window per KV head, ``attention_variants.streaming_heads``)
-stand alone: they are chosen by scoring the checkpoint's own heads. The output is a plain HF checkpoint whose config states the new layout; where
-transformers cannot express it (KV sharing or sinks anywhere; per-layer windows on
-Llama/Mistral) it also carries our modeling file (``auto_map``).
+stand alone: they are chosen by scoring the checkpoint's own heads. The output is a plain HF
+checkpoint whose config states the new layout; where transformers cannot express it (KV sharing,
+sinks or streaming heads anywhere; per-layer windows on Llama/Mistral) it also carries our
+modeling file (``auto_map``).
 """
 from __future__ import annotations
 
@@ -103,6 +104,11 @@ class ConvertSpec:
         """The calibration text and windows the rewrites fit on."""
         return CalibrationSpec(source=self.calib or DEFAULT_CALIB, num_samples=self.calib_seqs,
                                seq_len=self.calib_seq_len)
+
+    @property
+    def streaming_calibration(self) -> CalibrationSpec:
+        """The windows streaming heads are scored on: longer than the window by 512 tokens at least."""
+        return replace(self.calibration, seq_len=max(self.calib_seq_len, (self.sliding_window or 0) + 512))
 
 
 @dataclass(frozen=True)
@@ -212,8 +218,7 @@ def choose_streaming_heads(ckpt: Checkpoint, spec: ConvertSpec) -> tuple[tuple[i
     fraction = spec.streaming_heads
     if fraction == "auto":
         fraction = auto_fraction(layout.num_heads, layout.num_kv_heads)
-    calibration = replace(spec.calibration, seq_len=max(spec.calib_seq_len, spec.sliding_window + 512))
-    ids = calibration_ids(ckpt.path, calibration)
+    ids = calibration_ids(ckpt.path, spec.streaming_calibration)
     model = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.float32).eval()
     scores = head_scores(model, ids, spec.sliding_window, spec.sinks)
     full_layers = [i for i, l in enumerate(layout.layers) if l.kind == "full"]
@@ -308,6 +313,6 @@ def convert(
         write_config(tmp, config)
     described = calib.describe() if calib else None
     if streaming is not None and spec.streaming_set is None:
-        c = replace(spec.calibration, seq_len=max(spec.calib_seq_len, spec.sliding_window + 512))
+        c = spec.streaming_calibration
         described = f"{c.num_samples} x {c.seq_len} tokens of {c.source} (head scores: {spec.streaming_select})"
     return ConvertResult(Path(out), before, AttentionLayout.from_config(config), described)
