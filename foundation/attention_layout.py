@@ -25,6 +25,7 @@ layer order. Each entry is a ``LayerAttention`` of its own (kind, window, sinks,
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Literal
 
 from foundation.errors import KvslimError
@@ -45,7 +46,7 @@ class LayerAttention:
     num_kv_heads: int
     kv_source: int
     sinks: int = 0  # sliding layers: the first ``sinks`` tokens stay visible to every query
-    streaming: "StreamingHeads | None" = None  # full layers: the last KV heads that stream
+    streaming: "StreamingHeads | None" = None  # full layers: the KV heads that stream
 
     def cached_tokens(self, context_len: int) -> int:
         """Tokens of a ``context_len``-token sequence this layer's cache must hold."""
@@ -104,7 +105,7 @@ class AttentionLayout:
     def num_streaming_kv_heads(self) -> int:
         return sum(l.streaming.num_kv_heads for l in self.layers if l.streaming is not None)
 
-    @property
+    @cached_property
     def entries(self) -> tuple[LayerAttention, ...]:
         """The attention entries (see the module docstring): each owns its KV unless it reads a
         layer that does; streaming parts own theirs."""
