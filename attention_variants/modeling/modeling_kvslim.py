@@ -95,6 +95,17 @@ def _check_sinks_backend(config) -> None:
         raise ValueError("attention sinks need a masked attention implementation (sdpa or eager), not flash attention")
 
 
+def streaming_layer_masks(config, streaming: dict, mask_kwargs: dict) -> dict[int, torch.Tensor]:
+    """Per layer with streaming heads, its per-head mask (``create_causal_mask``'s arguments in
+    ``mask_kwargs``; both masks forced to tensors by a mask function)."""
+    _check_sinks_backend(config)  # per-head masks, not a kernel's window
+    full = create_causal_mask(**mask_kwargs, and_mask_function=_every_key)
+    local = create_causal_mask(**mask_kwargs, and_mask_function=sink_window_overlay(streaming["window"],
+                                                                                    streaming["sinks"]))
+    h, kvh = config.num_attention_heads, config.num_key_value_heads
+    return {i: per_head_mask(full, local, heads, h, kvh) for i, heads in enumerate(streaming["kv_heads"]) if heads}
+
+
 def _check_prepared_masks(attention_mask) -> None:
     """Per-head masks are built from the 2-D padding mask; masks prepared per layer type cannot carry them."""
     if isinstance(attention_mask, dict):
@@ -205,14 +216,8 @@ class KvslimModelMixin:
         streaming = _streaming(self.config)
         if streaming is not None:
             _check_prepared_masks(attention_mask)
-            _check_sinks_backend(self.config)  # per-head masks, not a kernel's window
-            full = create_causal_mask(**mask_kwargs, and_mask_function=_every_key)  # a tensor, never skipped
-            local = create_causal_mask(**mask_kwargs, and_mask_function=sink_window_overlay(
-                streaming["window"], streaming["sinks"]))
-            h, kvh = self.config.num_attention_heads, self.config.num_key_value_heads
-            for i, heads in enumerate(streaming["kv_heads"]):
-                if heads:
-                    layer_masks[i] = per_head_mask(full, local, heads, h, kvh)
+            for i, mask in streaming_layer_masks(self.config, streaming, mask_kwargs).items():
+                layer_masks[i] = mask
         hidden = inputs_embeds
         position_embeddings = self.rotary_emb(hidden, position_ids)
         shared_kv: dict = {}
@@ -320,15 +325,6 @@ class KvslimGemma3TextModel(modeling_gemma3.Gemma3TextModel):
             return args, kwargs
         return hook
 
-    def _streaming_masks(self, streaming: dict, mask_kwargs: dict) -> None:
-        _check_sinks_backend(self.config)
-        full = create_causal_mask(**mask_kwargs, and_mask_function=_every_key)
-        local = create_causal_mask(**mask_kwargs, and_mask_function=sink_window_overlay(
-            streaming["window"], streaming["sinks"]))
-        h, kvh = self.config.num_attention_heads, self.config.num_key_value_heads
-        self._layer_masks = {i: per_head_mask(full, local, heads, h, kvh)
-                             for i, heads in enumerate(streaming["kv_heads"]) if heads}
-
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, past_key_values=None,
                 inputs_embeds=None, use_cache=None, **kwargs):
         cache = cache if cache is not None else past_key_values
@@ -350,7 +346,7 @@ class KvslimGemma3TextModel(modeling_gemma3.Gemma3TextModel):
             mask_kwargs = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                                position_ids=position_ids, **{CACHE_ARG: cache})
             if streaming:
-                self._streaming_masks(streaming, mask_kwargs)
+                self._layer_masks = streaming_layer_masks(self.config, streaming, mask_kwargs)
             if sinks:
                 overlay = sink_window_overlay(self.config.sliding_window, sinks)
                 sliding = create_causal_mask(**mask_kwargs, and_mask_function=overlay)
