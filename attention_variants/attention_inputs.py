@@ -89,20 +89,6 @@ def _check_windows(ids: torch.Tensor, windows: tuple[int, ...]) -> None:
 
 
 @torch.no_grad()
-def measure_far_mass(model, ids: torch.Tensor, windows: tuple[int, ...]) -> dict[int, tuple[float, ...]]:
-    """Per window, each layer's mean attention mass beyond it on ``ids`` ``[num_seqs, seq_len]``
-    (an eager-attention model; the sequences longer than every window)."""
-    _check_windows(ids, windows)
-    probe = FarMassProbe(model, windows, ids.shape[0])
-    try:
-        for row in ids:
-            model(input_ids=row.unsqueeze(0), use_cache=False)
-    finally:
-        mass = probe.remove()
-    return mass
-
-
-@torch.no_grad()
 def capture_attention_inputs(model, ids: torch.Tensor, text: str, window: int | None = None) -> AttentionInputs:
     """Run ``model`` over ``ids`` ``[num_seqs, seq_len]`` and keep every layer's attention input.
 

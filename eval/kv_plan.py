@@ -5,9 +5,9 @@ The choices, at context N (default 2,048): the KV dtype (bf16, int8, int4, int2:
 as the runtime holds it), whether attention slides (a window W of 1,024, 512 or 256 below N, with
 4 attention sinks), and which layers, or which KV heads (streaming heads), stay full. Layers are
 ranked by the global-layer calibration ``compress convert --global-select calib`` uses (each
-layer's attention mass beyond W on calibration windows of N tokens, sink keys counted as lost),
-measured for every W in one eager pass; KV heads by the same mass per head
-(``attention_variants.streaming_heads``, the score ``--streaming-heads`` ranks by). For each dtype
+layer's attention mass beyond W on calibration windows of N tokens, sink keys counted as lost) and
+KV heads by the same mass per head (``attention_variants.streaming_heads``, the score
+``--streaming-heads`` ranks by), both measured for every W in one pass. For each dtype
 and window, the budget allows a number of full layers, and a number of full KV heads (bytes per
 token counted by allocating the paged cache for one N-token sequence, as ``kv_report`` does);
 every such candidate is then *served* (the runtime's paged cache, really quantized and read back)
@@ -241,29 +241,22 @@ def candidates(config: dict, ctx: int, budget_bytes: float | None, ranking: dict
     return sorted(out, key=lambda c: c.kv_bytes_per_token)  # fewest bytes first
 
 
-def rank_heads(model_dir: Path, ids: torch.Tensor, windows: tuple[int, ...]) -> dict[int, list[tuple[int, int]]]:
-    """Per window, the (layer, KV head) pairs by attention mass beyond it on ``ids`` (most first)."""
+def rank(model_dir: Path, ids: torch.Tensor, windows: tuple[int, ...]) -> tuple[dict[int, list[int]],
+                                                                             dict[int, list[tuple[int, int]]]]:
+    """Per window, the layers and the (layer, KV head) pairs by attention mass beyond it on ``ids``
+    (most first), from one pass (``head_scores_by_window``; a layer's mass is its heads' mean, the
+    rule ``--global-select calib`` ranks layers by)."""
     from transformers import AutoModelForCausalLM
 
     from attention_variants.streaming_heads import head_scores_by_window
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = {}
+    layers, heads = {}, {}
     for w, scores in head_scores_by_window(model, ids, windows, PLAN_SINKS).items():
         mass = scores["mass"]
-        out[w] = [divmod(int(i), mass.shape[1]) for i in mass.flatten().argsort(descending=True, stable=True)]
-    return out
-
-
-def rank_layers(model_dir: Path, ids: torch.Tensor, windows: tuple[int, ...]) -> dict[int, list[int]]:
-    """Per window, the layers by attention mass beyond it on ``ids`` (most first)."""
-    from transformers import AutoModelForCausalLM
-
-    from attention_variants.attention_inputs import measure_far_mass
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    mass = measure_far_mass(model, ids, windows)
-    return {w: sorted(range(len(m)), key=lambda i: -m[i]) for w, m in mass.items()}
+        layers[w] = mass.mean(1).argsort(descending=True, stable=True).tolist()
+        heads[w] = [divmod(int(i), mass.shape[1]) for i in mass.flatten().argsort(descending=True, stable=True)]
+    return layers, heads
 
 
 def served_perplexity(model_dir: Path, config: dict, kv_dtype: str, ids: torch.Tensor, text: str, ctx: int) -> float:
@@ -302,17 +295,13 @@ def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase
     calib_ids, dev = tokens[:CALIB_SEQS], tokens[CALIB_SEQS:].flatten()
     calibration = f"{CALIB_SEQS} x {ctx} tokens of {source}"
     dev_text = f"{source} tokens [{CALIB_SEQS * ctx}, {(CALIB_SEQS + DEV_WINDOWS) * ctx})"
-    progress(f"ranking layers by attention mass beyond windows {list(windows)} on {calibration}")
-    ranking = rank_layers(ckpt.path, calib_ids, windows) if windows else {}
-    head_ranking = None
-    if heads and windows:
-        progress("ranking KV heads by the same mass, per head")
-        head_ranking = rank_heads(ckpt.path, calib_ids, windows)
+    progress(f"ranking layers and KV heads by attention mass beyond windows {list(windows)} on {calibration}")
+    ranking, head_ranking = rank(ckpt.path, calib_ids, windows) if windows else ({}, {})
     original = original_bytes(config, ctx)
     original_ppl = served_perplexity(ckpt.path, config, "bf16", dev, dev_text, ctx)
     progress(f"original (bf16 KV): {original:,.0f} B/token @{ctx}, dev ppl {original_ppl:.3f}")
     todo = candidates(config, ctx, None if budget is None else budget * original, ranking, original, dtypes,
-                      head_ranking)
+                      head_ranking if heads else None)
     if not todo:
         raise KvslimError(f"no KV plan fits {budget:g} of the original's bytes at context {ctx} (the smallest: "
                           f"{min(dtypes, key=_bits)} with every layer sliding over the shortest window)")

@@ -38,15 +38,16 @@ def test_scores_have_a_value_per_layer_and_kv_head(tiny_llama):
 
 def test_head_mass_averages_to_the_layer_mass_the_global_layers_rank_by(tiny_llama):
     """One pass over several windows gives each window's scores, and per layer the KV heads' mass
-    averages to ``measure_far_mass`` (the same rule, per layer, from the eager probabilities)."""
+    averages to the layer's far mass (the rule ``--global-select calib`` ranks layers by, from the
+    eager probabilities)."""
     from transformers import AutoModelForCausalLM
 
-    from attention_variants.attention_inputs import measure_far_mass
+    from attention_variants.attention_inputs import capture_attention_inputs
 
     ids = torch.cat([IDS, IDS.flip(1)])
     both = head_scores_by_window(_model(tiny_llama), ids, (8, 16), sinks=2)
     eager = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32, attn_implementation="eager")
-    layer_mass = measure_far_mass(eager.eval(), ids, (8, 16))
+    layer_mass = {w: capture_attention_inputs(eager.eval(), ids, "ids", window=w).far_mass for w in (8, 16)}
     for w in (8, 16):
         one = head_scores(_model(tiny_llama), ids, window=w, sinks=2)
         for name in one:
