@@ -24,6 +24,7 @@ from foundation.attention_layout import (
     KV_SOURCE_KEY,
     SINKS_KEY,
     SLIDING,
+    STREAMING_KEY,
     AttentionLayout,
 )
 from runtime.cache.kv_cache import KVCache, KVCacheSpec
@@ -74,6 +75,10 @@ def variant_configs(base: dict, window: int = 512, full_every: int = 6, short_wi
     hybrid = {"sliding_window": window, "layer_types": types}
     with_sinks = {"sliding_window": short_window, "layer_types": types, SINKS_KEY: sinks}
     sinks_name = f"sliding {short_window} + {sinks} sinks, 1 in {full_every} full"
+    kvh = int(base.get("num_key_value_heads") or base["num_attention_heads"])
+    stream = list(range(kvh // 2, kvh))  # the upper half of each layer's KV heads stream
+    streaming = {STREAMING_KEY: {"window": short_window, "sinks": sinks, "kv_heads": [stream] * n}}
+    streaming_name = f"streaming heads ({len(stream)} of {kvh} per layer, {short_window} + {sinks} sinks)"
     share2 = {KV_SOURCE_KEY: share_pairs([FULL] * n)}
     combined = {**mqa, **hybrid, KV_SOURCE_KEY: share_pairs(types)}
     return {
@@ -92,6 +97,8 @@ def variant_configs(base: dict, window: int = 512, full_every: int = 6, short_wi
         "hybrid + INT2": ({**base, **hybrid}, "int2"),
         sinks_name: ({**base, **with_sinks}, "bf16"),
         f"{sinks_name} + INT4": ({**base, **with_sinks}, "int4"),
+        streaming_name: ({**base, **streaming}, "bf16"),
+        f"{streaming_name} + INT4": ({**base, **streaming}, "int4"),
         "combined (MQA + share 2 + hybrid + INT4)": ({**base, **combined}, "int4"),
     }
 
@@ -225,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in reports:
         for g in r.groups:
             window = "" if g.window is None else f"/{g.window}" + (f"+{g.sinks} sinks" if g.sinks else "")
-            print(f"  {r.name}: {g.kind}{window} x{g.num_layers} layers, "
+            print(f"  {r.name}: {g.kind}{window} x{g.num_layers} entries, "
                   f"{g.num_kv_heads} KV heads: {g.formula_bytes_per_token:.0f} B/tok formula, "
                   f"{g.counted_bytes_per_token:.0f} counted, {g.num_blocks} blocks")
     if args.json:
