@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             ratio = rows[name][c]["tok_s"] / rows[hf_name][c]["tok_s"]
             print(f"{name:40s} c={c:4d} {rows[name][c]['tok_s']:9.1f} tok/s  {ratio:5.2f}x HF", flush=True)
         del engine
+        if placement.device.type == "cuda":  # give its KV pool back: the next engine sizes its own from free memory
+            torch.cuda.empty_cache()
     doc = {"device": torch.cuda.get_device_name(placement.device) if placement.device.type == "cuda" else platform.processor(),
            "torch": torch.__version__, "kernels": placement.kernels, "prompt_tokens": args.prompt_tokens,
            "new_tokens": args.new_tokens, "greedy_agreement": agreement, "rows": rows}
