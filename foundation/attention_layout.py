@@ -124,6 +124,7 @@ class AttentionLayout:
         n = len(own)
         return (*own, *(replace(e, kv_source=n + j) for j, e in enumerate(extra)))
 
+    @cached_property
     def entry_parts(self) -> tuple[tuple[EntryPart, ...], ...]:
         """Per layer, its entries and the KV heads each covers (one part, or full then streaming)."""
         out, extra = [], len(self.layers)
@@ -138,9 +139,10 @@ class AttentionLayout:
             extra += 1
         return tuple(out)
 
+    @cached_property
     def entry_layers(self) -> tuple[int, ...]:
         """The model layer of each attention entry."""
-        by_entry = {p.entry: i for i, parts in enumerate(self.entry_parts()) for p in parts}
+        by_entry = {p.entry: i for i, parts in enumerate(self.entry_parts) for p in parts}
         return tuple(by_entry[e] for e in range(len(by_entry)))
 
     def cache_groups(self) -> dict[tuple[str, int | None, int, int], list[int]]:

@@ -94,8 +94,8 @@ class LLM:
         """``device`` (auto | cpu | cuda) and ``kernels`` (auto | torch | triton): where the model and
         its cache live and which kernels run (``runtime.device.Placement``)."""
         self.path = resolve_model(checkpoint)
-        self.placement = Placement.resolve(device, kernels)
-        self.model = load_model(self.path, dtype, use_cpu_kernels=use_cpu_kernels, placement=self.placement)
+        self.model = load_model(self.path, dtype, use_cpu_kernels=use_cpu_kernels,
+                                placement=Placement.resolve(device, kernels))
         self.activation_dtype = self.model.activation_dtype
         self.dtype = self.activation_dtype.dtype
         self.spec = self.model.spec

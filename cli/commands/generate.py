@@ -77,7 +77,7 @@ def format_stats(llm, num_prompt_tokens: int, completion) -> str:
     lines = [
         f"checkpoint: {llm.path}",
         f"activations: {llm.activation_dtype.describe()}",
-        f"device: {llm.placement.describe()}",
+        f"device: {llm.model.placement.describe()}",
         f"weights: {llm.weight_bytes() / 2**20:.1f} MiB resident (quantized weights packed)",
         f"kv cache: {kv / 1024:.2f} KiB/token at context {ctx} ({llm.kv_cache_dtype}); "
         f"{kv_short / 1024:.2f} KiB/token at this request's {num_prompt_tokens + len(completion.token_ids)} tokens",

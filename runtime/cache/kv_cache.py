@@ -95,7 +95,7 @@ class KVCacheSpec:
     layer_slots: tuple[tuple[int, int], ...]  # per attention entry: (group index, slot in group)
     block_size: int
     static_scales: bool  # quantized KV with per-layer checkpoint scales (no per-token scales)
-    entry_layers: tuple[int, ...] = ()  # per attention entry: its model layer (empty: entry = layer)
+    entry_layers: tuple[int, ...]  # per attention entry: its model layer
 
     @classmethod
     def from_layout(
@@ -113,7 +113,7 @@ class KVCacheSpec:
                        for (kind, window, sinks, kvh), members in layout.cache_groups().items())
         owner_slot = {layer: (g, s) for g, grp in enumerate(groups) for s, layer in enumerate(grp.layers)}
         slots = tuple(owner_slot[l.kv_source] for l in layout.entries)
-        return cls(groups, slots, block_size, static_scales, layout.entry_layers())
+        return cls(groups, slots, block_size, static_scales, layout.entry_layers)
 
     @property
     def windows(self) -> tuple[int | None, ...]:
@@ -247,7 +247,7 @@ class KVCache:
                 self.layers.append(self.packed[g][s])
                 continue
             if spec.static_scales:
-                ks, vs = layer_scales[spec.entry_layers[owner] if spec.entry_layers else owner]
+                ks, vs = layer_scales[spec.entry_layers[owner]]
                 k_scale = torch.tensor(float(ks), dtype=torch.float32, device=device)
                 v_scale = torch.tensor(float(vs), dtype=torch.float32, device=device)
             else:

@@ -62,7 +62,7 @@ class DecoderLayer(nn.Module):
             o_proj=w.linear(linears["o_proj"].module, spec.o_bias),
             q_norm=norm("self_attn.q_norm", spec.head_dim) if spec.qk_norm else None,
             k_norm=norm("self_attn.k_norm", spec.head_dim) if spec.qk_norm and spec.owns_kv(i) else None,
-            parts=spec.attention.entry_parts()[i],
+            parts=spec.attention.entry_parts[i],
         )
         self.mlp = GatedMLP(
             w.linears([linears["gate_proj"].module, linears["up_proj"].module], spec.mlp_bias),

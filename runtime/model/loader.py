@@ -28,7 +28,7 @@ from runtime.model.layers.fused_linear import (
     out_features,
     stack_linear_tensors,
 )
-from runtime.model.layers.linear import make_linear
+from runtime.model.layers.linear import check_linear_tensors, make_linear
 from runtime.model.spec import ModelSpec
 
 LINEAR_TENSORS = ("weight", "bias", "weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
@@ -94,7 +94,7 @@ class CheckpointWeights:
             raise CheckpointError(f"{self.ckpt.path}: {', '.join(names)} read the same input but have "
                                   f"{', '.join(map(str, widths))} input features")
         for n, p in zip(names, parts):  # each part must be valid on its own: same errors as unfused
-            make_linear(n, p, schemes[0], self.dtype, use_cpu_kernels=False)
+            check_linear_tensors(n, p, schemes[0])
         stacked = stack_linear_tensors(parts, schemes[0])
         if stacked is None:
             return SeparateLinears([make_linear(n, p, schemes[0], self.dtype, self.use_cpu_kernels, **self.kernels)

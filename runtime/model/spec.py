@@ -91,7 +91,7 @@ class ModelSpec(ModelShapes):
         """The backend's constants for attention entry ``entry`` (a layer, or a layer's streaming
         heads: ``AttentionLayout.entries``)."""
         la = self.attention.entries[entry]
-        layer = self.attention.entry_layers()[entry]
+        layer = self.attention.entry_layers[entry]
         rope = KeyRope.of(self.rope[layer], self.head_dim, self.max_position_embeddings)
         return AttentionParams(self.attn_scale, la.window, la.kv_source, self.attn_logit_softcap, la.sinks, rope)
 

@@ -114,8 +114,8 @@ def test_layout_of_streaming_heads():
     layout = AttentionLayout.from_config(config)
     kinds = [(e.kind, e.num_kv_heads, e.kv_source) for e in layout.entries]
     assert kinds == [("full", 3, 0), ("full", 1, 1), ("sliding", 3, 2), ("sliding", 2, 3)]
-    assert [[p.heads for p in parts] for parts in layout.entry_parts()] == [[(0, 1, 2)], [(1,), (0, 2)], [(0, 1, 2)]]
-    assert layout.entry_layers() == (0, 1, 2, 1)
+    assert [[p.heads for p in parts] for parts in layout.entry_parts] == [[(0, 1, 2)], [(1,), (0, 2)], [(0, 1, 2)]]
+    assert layout.entry_layers == (0, 1, 2, 1)
     assert layout.config_updates()["streaming_heads"]["kv_heads"] == [[], [0, 2], [0, 1, 2]]
     head = 2 * 64 * 2  # K and V of one head, bf16
     assert layout.kv_bytes(100, 2) == head * (4 * 100 + 5 * 10)  # 4 full heads, 5 streaming (8 + 2 tokens)

@@ -235,34 +235,16 @@ def make_linear(
     (``KernelLinear``; ``interpreted``: forced on the CPU, under Triton's interpreter).
     """
     bias = tensors.get("bias")
+    check_linear_tensors(name, tensors, scheme)
     if scheme is None:
-        if "weight" not in tensors or not tensors["weight"].is_floating_point() or tensors["weight"].dtype == FP8_DTYPE:
-            raise CheckpointError(f"{name}: expected a floating-point weight (no quantization declared for it)")
         return DenseLinear(tensors["weight"], bias, dtype)
-    kernel = _kernel_linear(name, tensors, scheme, bias, interpreted) if kernels == "triton" else None
+    kernel = _kernel_linear(tensors, scheme, bias, interpreted) if kernels == "triton" else None
     if kernel is not None:
         return kernel
-    needed = ("weight", "weight_scale") if not scheme.is_packed else ("weight_packed", "weight_scale", "weight_shape")
-    if not scheme.symmetric and scheme.is_packed:
-        needed += ("weight_zero_point",)
-    missing = [n for n in needed if n not in tensors]
-    if missing:
-        raise CheckpointError(f"{name}: scheme {scheme.name} needs tensors {', '.join(name + '.' + m for m in missing)}")
     if not scheme.is_packed:
-        rows, scales = tensors["weight"].shape[0], tensors["weight_scale"].numel()
-        if scheme.strategy == "channel" and scales != rows:
-            raise CheckpointError(f"{name}.weight_scale has {scales} values, per-channel {scheme.name} needs {rows}")
-        if scheme.type == "float" and tensors["weight"].dtype != FP8_DTYPE:
-            raise CheckpointError(f"{name}.weight is {tensors['weight'].dtype}, scheme {scheme.name} declares FP8")
         if scheme.type != "float":
-            if scheme.input_activations is None:
-                raise CheckpointError(f"{name}: unpacked integer weights without activation quantization are not supported")
-            if tensors["weight"].dtype != torch.int8:
-                raise CheckpointError(f"{name}.weight is {tensors['weight'].dtype}, scheme {scheme.name} declares int8")
             return W8A8Linear(tensors, scheme, bias, dtype, use_int_mm=use_cpu_kernels)
         return Fp8Linear(tensors, scheme, bias, dtype)
-    if tensors["weight_packed"].dtype != torch.int32:
-        raise CheckpointError(f"{name}.weight_packed must be int32, found {tensors['weight_packed'].dtype}")
     if use_cpu_kernels and Int4PackLinear.supports(scheme, tensors, dtype):
         return Int4PackLinear(tensors, scheme, bias, dtype)
     if use_cpu_kernels and Int8PackLinear.supports(scheme, tensors, dtype):
@@ -270,10 +252,39 @@ def make_linear(
     return PackedIntLinear(tensors, scheme, bias, dtype)
 
 
-def _kernel_linear(name: str, tensors: dict[str, torch.Tensor], scheme: QuantScheme, bias: torch.Tensor | None,
+def check_linear_tensors(name: str, tensors: dict[str, torch.Tensor], scheme: QuantScheme | None) -> None:
+    """Raise a one-line ``CheckpointError`` unless ``tensors`` hold what ``scheme`` declares (``None``:
+    a floating-point weight)."""
+    if scheme is None:
+        if "weight" not in tensors or not tensors["weight"].is_floating_point() or tensors["weight"].dtype == FP8_DTYPE:
+            raise CheckpointError(f"{name}: expected a floating-point weight (no quantization declared for it)")
+        return
+    needed = ("weight", "weight_scale") if not scheme.is_packed else ("weight_packed", "weight_scale", "weight_shape")
+    if not scheme.symmetric and scheme.is_packed:
+        needed += ("weight_zero_point",)
+    missing = [n for n in needed if n not in tensors]
+    if missing:
+        raise CheckpointError(f"{name}: scheme {scheme.name} needs tensors {', '.join(name + '.' + m for m in missing)}")
+    if scheme.is_packed:
+        if tensors["weight_packed"].dtype != torch.int32:
+            raise CheckpointError(f"{name}.weight_packed must be int32, found {tensors['weight_packed'].dtype}")
+        return
+    rows, scales = tensors["weight"].shape[0], tensors["weight_scale"].numel()
+    if scheme.strategy == "channel" and scales != rows:
+        raise CheckpointError(f"{name}.weight_scale has {scales} values, per-channel {scheme.name} needs {rows}")
+    if scheme.type == "float" and tensors["weight"].dtype != FP8_DTYPE:
+        raise CheckpointError(f"{name}.weight is {tensors['weight'].dtype}, scheme {scheme.name} declares FP8")
+    if scheme.type != "float":
+        if scheme.input_activations is None:
+            raise CheckpointError(f"{name}: unpacked integer weights without activation quantization are not supported")
+        if tensors["weight"].dtype != torch.int8:
+            raise CheckpointError(f"{name}.weight is {tensors['weight'].dtype}, scheme {scheme.name} declares int8")
+
+
+def _kernel_linear(tensors: dict[str, torch.Tensor], scheme: QuantScheme, bias: torch.Tensor | None,
                    interpreted: bool) -> nn.Module | None:
-    """The Triton dequant-matmul Linear for a scheme it computes (weight-only INT4/INT8, FP8), its
-    tensors checked as for the torch path; None for the others (W8A8 INT8 keeps ``torch._int_mm``)."""
+    """The Triton dequant-matmul Linear for a scheme it computes (weight-only INT4/INT8, FP8; tensors
+    already checked); None for the others (W8A8 INT8 keeps ``torch._int_mm``)."""
     from runtime.kernels.dispatch import WeightScheme
     from runtime.kernels.kernel_linear import KernelLinear
 
@@ -283,6 +294,5 @@ def _kernel_linear(name: str, tensors: dict[str, torch.Tensor], scheme: QuantSch
         return None
     if scheme.type == "float" and scheme.input_activations is not None and interpreted:
         return None  # FP8 activations: the interpreter's fp32 -> fp8 casts are wrong; the torch path
-    make_linear(name, tensors, scheme, torch.float32, use_cpu_kernels=False)  # same checks, same errors
     return KernelLinear({k: v for k, v in tensors.items() if k != "bias"}, scheme, bias,
                         use_triton=True if interpreted else None)
