@@ -16,6 +16,7 @@ from foundation.errors import KvslimError
 # name -> one-line help. Order is the order of `compress --help`.
 COMMANDS: dict[str, str] = {
     "quantize": "quantize weights to FP8 / INT8 / INT4 (compressed-tensors)",
+    "export": "write a llama.cpp / Ollama GGUF file from a checkpoint, keeping its quantized codes",
     "inspect": "describe a checkpoint: layout, scheme, bytes, KV per token, vLLM kernel fit",
     "generate": "continue a prompt with the kvslim runtime (--stats: weight and KV bytes)",
     "convert": "rewrite attention: MQA/GQA, cross-layer KV sharing, hybrid sliding window, attention sinks",

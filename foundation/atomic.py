@@ -83,3 +83,21 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+@contextlib.contextmanager
+def atomic_output_file(path: str | os.PathLike[str], force: bool = False) -> Iterator[Path]:
+    """Yield a sibling temp file path for ``path``; on success rename it to ``path``, on any
+    exception remove it (``path`` is left as it was). Refuses an existing ``path`` without ``force``."""
+    path = Path(path).expanduser().resolve()
+    if path.is_dir():
+        raise KvslimError(f"output {path} is a directory; name a file")
+    check_output_dir(path, force)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
