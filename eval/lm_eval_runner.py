@@ -90,9 +90,12 @@ def load_hf(ckpt: Path, batch_size: int) -> EvalModel:
     config = json.loads(config_file.read_text())
     kwargs: dict[str, Any] = {"dtype": torch.float32, "trust_remote_code": remote_code_allowed(ckpt)}
     quant = config.get("quantization_config")
-    if quant is not None:
-        if quant.get("quant_method") != "compressed-tensors":
-            raise CheckpointError(f"{ckpt}: quantization method {quant.get('quant_method')!r} is not compressed-tensors")
+    method = quant.get("quant_method") if quant else None
+    if method == "bitsandbytes":  # bitsandbytes' own Linears, as its users run them
+        kwargs["device_map"] = "cpu"
+    elif quant is not None:
+        if method != "compressed-tensors":
+            raise CheckpointError(f"{ckpt}: quantization method {method!r} is neither compressed-tensors nor bitsandbytes")
         from transformers import CompressedTensorsConfig
 
         kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)

@@ -103,6 +103,9 @@ class QuantSpec:
         if not qc:
             return None
         method = qc.get("quant_method")
+        if method == "bitsandbytes":
+            raise KvslimError("a bitsandbytes checkpoint loads in transformers (with bitsandbytes) or vLLM; kvslim "
+                              "reads compressed-tensors checkpoints (`compress quantize --int4 | --int8` writes them)")
         if method != QUANT_METHOD:
             raise KvslimError(f"quantization_config.quant_method={method!r} is not supported; kvslim reads "
                               "compressed-tensors checkpoints (compress quantize writes them)")

@@ -117,7 +117,7 @@ class LinearShape:
 class TensorRule:
     """What one tensor must be: its shape and dtype, and where they come from (for the message)."""
 
-    shape: tuple[int, ...]
+    shape: tuple[int, ...] | None  # None: any shape (an opaque serialized blob)
     dtypes: Dtypes
     origin: str
     optional: bool = False
@@ -251,7 +251,7 @@ def tensor_problems(ckpt: Checkpoint, rules: dict[str, TensorRule]) -> list[str]
         dtype, shape = ckpt.headers[name]
         if dtype not in rule.dtypes.allowed:
             problems.append(f"{name} has dtype {dtype}, expected {_fmt_dtypes(rule.dtypes)} ({rule.origin})")
-        elif shape != rule.shape:
+        elif rule.shape is not None and shape != rule.shape:
             problems.append(f"{name} has shape {_fmt(shape)}, expected {_fmt(rule.shape)} ({rule.origin})")
         elif rule.contents is not None:
             values = tuple(int(v) for v in ckpt.get(name).tolist())

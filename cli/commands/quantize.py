@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from compress.quantize_options import (
+    BNB_KINDS,
     DEFAULT_CALIB_SEQ_LEN,
     DEFAULT_CALIB_WINDOWS,
     DEFAULT_IGNORE,
@@ -28,6 +29,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     kind.add_argument("--int4", dest="kind", action="store_const", const="int4",
                       help="INT4 weight-only, group-wise (W4A16[_ASYM], pack-quantized); default group "
                            f"{DEFAULT_INT4_GROUP_SIZE} {'symmetric' if DEFAULT_INT4_SYMMETRIC else 'asymmetric'}")
+    kind.add_argument("--nf4", dest="kind", action="store_const", const="nf4",
+                      help="bitsandbytes NF4 (4-bit, blocks of 64) through transformers: for transformers + "
+                           "bitsandbytes and vLLM users; the kvslim runtime does not serve it")
+    kind.add_argument("--int8-bnb", dest="kind", action="store_const", const="int8-bnb",
+                      help="bitsandbytes LLM.int8 through transformers (same audience as --nf4)")
     p.add_argument("--group-size", type=int, default=None, metavar="N",
                    help="INT8/INT4: input columns per scale (must divide every quantized layer's input features)")
     sym = p.add_mutually_exclusive_group()
@@ -70,6 +76,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.kind in BNB_KINDS:
+        return run_bnb(args)
     from compress.quantize_plan import plan_quantization, run_plan
     from compress.summary import quantize_table, totals
     from compress.transformers_compat import loading_note
@@ -93,6 +101,25 @@ def run(args: argparse.Namespace) -> int:
         if note:
             print(note)
     print(f"wrote {result.out} in {result.seconds:.1f} s")
+    return 0
+
+
+def run_bnb(args: argparse.Namespace) -> int:
+    import torch
+
+    from compress.bnb_quantize import check_bnb_options, quantize_bnb
+    from foundation.model_source import resolve_model
+
+    check_bnb_options(options_from_args(args))
+    done = quantize_bnb(resolve_model(args.model), args.output, BNB_KINDS[args.kind],
+                        getattr(torch, args.dtype) if args.dtype else None, args.force)
+    print(f"scheme: {done.scheme.describe()}; {done.quantized_linears} Linears quantized by bitsandbytes "
+          f"(lm_head kept)")
+    print(f"total {done.bytes_before / 2**20:,.1f} MiB -> {done.bytes_after / 2**20:,.1f} MiB on disk")
+    print("loads with transformers `from_pretrained(dir)` (bitsandbytes installed) and vLLM "
+          "(`--quantization bitsandbytes`); `compress serve` / `generate` serve compressed-tensors checkpoints "
+          "(--int4 / --int8)")
+    print(f"wrote {done.out} in {done.seconds:.1f} s")
     return 0
 
 
