@@ -9,6 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from foundation.tensor_shapes import (
+    FLOAT,
+    INT8,
+    Dtypes,
+    ModelShapes,
+    TensorRule,
+    expected_tensors,
+    layer_linears,
+    no_quantization,
+)
+
 QUANT_METHOD = "bitsandbytes"
 BnbKind = Literal["nf4", "fp4", "int8"]
 # bitsandbytes' 4-bit blocksize (transformers does not expose it): one absmax per 64 weights.
@@ -51,14 +62,12 @@ class BnbScheme:
                 f"compute {self.compute_dtype}")
 
 
-def bnb_tensor_rules(shapes: "ModelShapes", scheme: BnbScheme) -> dict[str, "TensorRule"]:
+def bnb_tensor_rules(shapes: ModelShapes, scheme: BnbScheme) -> dict[str, TensorRule]:
     """Every tensor a bitsandbytes checkpoint of ``shapes`` needs: the dense model's, each Linear's
     weight replaced by bitsandbytes' own tensors (4-bit: packed codes ``[ceil(out * in / 2), 1]``
     uint8, one fp32 absmax per 64 weights, the 16-entry code map, the serialized quant state;
     LLM.int8: ``[out, in]`` int8 codes and one fp32 scale per row). Double-quantized absmax
     tensors are not checked (kvslim does not write them)."""
-    from foundation.tensor_shapes import FLOAT, INT8, Dtypes, TensorRule, expected_tensors, layer_linears, no_quantization
-
     uint8 = Dtypes("uint8", ("U8",))
     rules = expected_tensors(shapes, no_quantization)
     for i in range(shapes.attention.num_layers):

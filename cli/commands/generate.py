@@ -70,7 +70,9 @@ def _names_a_model(text: str) -> bool:
 
 
 def format_stats(llm, num_prompt_tokens: int, completion) -> str:
-    """Weight bytes (live tensors), KV bytes per token (layout formula), token counts."""
+    """Weight bytes (live tensors), the kernels chosen, KV bytes per token (layout formula), token counts."""
+    from runtime.model.layers.linear import linear_kernels
+
     ctx = llm.max_model_len
     kv = llm.kv_bytes_per_token(ctx)
     kv_short = llm.kv_bytes_per_token(num_prompt_tokens + len(completion.token_ids))
@@ -78,7 +80,9 @@ def format_stats(llm, num_prompt_tokens: int, completion) -> str:
         f"checkpoint: {llm.path}",
         f"activations: {llm.activation_dtype.describe()}",
         f"device: {llm.model.placement.describe()}",
+        *([f"cpu kernels: {llm.model.cpu_kernels.describe()}"] if llm.model.cpu_kernels else []),
         f"weights: {llm.weight_bytes() / 2**20:.1f} MiB resident (quantized weights packed)",
+        "linear kernels (one per GEMM; q/k/v and gate/up fused): " + ", ".join(f"{k} x{n}" for k, n in linear_kernels(llm.model).items()),
         f"kv cache: {kv / 1024:.2f} KiB/token at context {ctx} ({llm.kv_cache_dtype}); "
         f"{kv_short / 1024:.2f} KiB/token at this request's {num_prompt_tokens + len(completion.token_ids)} tokens",
         f"tokens: {num_prompt_tokens} prompt + {len(completion.token_ids)} generated ({completion.finish_reason})",

@@ -20,6 +20,10 @@ class KernelLinear(nn.Module):
                  use_triton: bool | None = None):
         super().__init__()
         self.scheme = WeightScheme.from_scheme(scheme)
+        if use_triton is False:
+            self.kernel = "dequantize + GEMM (torch reference)"
+        else:
+            self.kernel = "torch._scaled_mm (FP8 GEMM)" if scheme.input_activations else "Triton dequant-matmul"
         self.use_triton = use_triton
         self.names = tuple(n for n in TENSOR_NAMES if n in tensors)
         for name in self.names:

@@ -24,6 +24,7 @@ from runtime.attention.backend import AttentionBackend
 from runtime.device import CPU, Placement
 from runtime.model.layers.activation_dtype import ActivationDtype
 from runtime.model.layers.attention import Attention
+from runtime.model.layers.cpu_kernels import CpuKernelChoice
 from runtime.model.layers.mlp import GatedMLP
 from runtime.model.layers.norm import RMSNorm
 from runtime.model.layers.rotary import RotaryEmbedding
@@ -96,6 +97,7 @@ class Decoder(nn.Module):
         self.spec = spec
         self.placement = placement
         self.activation_dtype = activation_dtype  # the dtype and why it was chosen
+        self.cpu_kernels: CpuKernelChoice | None = None  # set by load_model on the CPU
         self.dtype = dtype = activation_dtype.dtype
         embed = weights.tensor("model.embed_tokens.weight").to(dtype)
         self.register_buffer("embed_tokens", embed, persistent=False)

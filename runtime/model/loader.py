@@ -20,7 +20,8 @@ from foundation.errors import CheckpointError, KvslimError
 from foundation.tensor_shapes import check_tensors, check_understood, expected_tensors
 from runtime.device import CPU, Placement
 from runtime.model.decoder import Decoder
-from runtime.model.layers.activation_dtype import ActivationDtype, choose_activation_dtype
+from runtime.model.layers.activation_dtype import ActivationDtype, CpuFeatures, choose_activation_dtype
+from runtime.model.layers.cpu_kernels import CpuKernelChoice
 from runtime.model.layers.fused_linear import (
     FusedLinear,
     SeparateLinears,
@@ -39,11 +40,12 @@ class CheckpointWeights:
 
     def __init__(
         self, ckpt: Checkpoint, spec: ModelSpec, dtype: torch.dtype, use_cpu_kernels: bool, fuse: bool = True,
-        placement: Placement = CPU,
+        placement: Placement = CPU, cpu_kernels: CpuKernelChoice | None = None,
     ) -> None:
         self.ckpt, self.spec, self.dtype, self.use_cpu_kernels = ckpt, spec, dtype, use_cpu_kernels
         self.fuse = fuse
-        self.kernels = dict(kernels=placement.kernels, interpreted=placement.triton_interpreted)
+        self.kernels = dict(kernels=placement.kernels, interpreted=placement.triton_interpreted,
+                            int8_gemm=cpu_kernels.int8_gemm if cpu_kernels else True)
         self.used: set[str] = set()
 
     def check_tensors(self) -> None:
@@ -108,7 +110,7 @@ class CheckpointWeights:
 
 def load_model(
     path: str | Path | Checkpoint, dtype: str | torch.dtype = "float32", use_cpu_kernels: bool = True, fuse: bool = True,
-    placement: Placement = CPU,
+    placement: Placement = CPU, cpu_features: CpuFeatures | None = None,
 ) -> Decoder:
     """Load a checkpoint directory into a ``Decoder`` in eval mode.
 
@@ -119,6 +121,8 @@ def load_model(
     ``fuse``: q/k/v and gate/up projections as one GEMM each where their schemes match.
     ``placement``: the device the model goes to and its kernels (``runtime.device``); torch's CPU
     kernels only on the CPU with torch kernels; Triton's interpreter (CPU) computes in fp32 only.
+    ``cpu_features``: decide the CPU kernels (``cpu_kernels``) for these features (None: this CPU's);
+    the choice is ``model.cpu_kernels`` (None off the CPU or with Triton).
     """
     ckpt = path if isinstance(path, Checkpoint) else Checkpoint.open(path)
     spec = ModelSpec.from_config(ckpt.config, ckpt.generation_config)
@@ -126,15 +130,17 @@ def load_model(
     if placement.triton_interpreted and dtype == "auto":
         choice = ActivationDtype(torch.float32, "auto: Triton's interpreter computes fp32 only")
     else:
-        choice = choose_activation_dtype(dtype, schemes, placement.device)
+        choice = choose_activation_dtype(dtype, schemes, placement.device, cpu_features)
     if placement.triton_interpreted and choice.dtype != torch.float32:
         raise KvslimError(f"--kernels triton on the CPU (Triton's interpreter) computes fp32 only, not {dtype}")
-    cpu_kernels = use_cpu_kernels and placement == CPU
-    weights = CheckpointWeights(ckpt, spec, choice.dtype, cpu_kernels, fuse, placement)
+    on_cpu = placement == CPU
+    cpu_choice = CpuKernelChoice.choose(choice.dtype, cpu_features) if on_cpu else None
+    weights = CheckpointWeights(ckpt, spec, choice.dtype, use_cpu_kernels and on_cpu, fuse, placement, cpu_choice)
     weights.check_tensors()
     with torch.no_grad():
         model = Decoder(spec, weights, choice, placement)
     weights.check_all_used()
+    model.cpu_kernels = cpu_choice
     return model.to(placement.device).eval().requires_grad_(False)
 
 

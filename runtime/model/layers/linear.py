@@ -41,6 +41,8 @@ def _buffer(module: nn.Module, name: str, t: torch.Tensor | None) -> None:
 
 
 class DenseLinear(nn.Module):
+    kernel = "dense GEMM"
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -91,6 +93,7 @@ class _QuantizedLinear(nn.Module):
 
 
 class Fp8Linear(_QuantizedLinear):
+    kernel = "FP8 dequantize + GEMM"
     def __init__(self, tensors: dict[str, torch.Tensor], scheme: QuantScheme, bias, dtype):
         super().__init__(scheme, tuple(tensors["weight"].shape), bias, dtype)
         _buffer(self, "weight", tensors["weight"])
@@ -111,6 +114,7 @@ class W8A8Linear(_QuantizedLinear):
     def __init__(self, tensors: dict[str, torch.Tensor], scheme: QuantScheme, bias, dtype, use_int_mm: bool = True):
         super().__init__(scheme, tuple(tensors["weight"].shape), bias, dtype)
         self.use_int_mm = use_int_mm
+        self.kernel = "torch._int_mm (INT8 GEMM)" if use_int_mm else "fake-quantize + dequantize + GEMM"
         _buffer(self, "weight", tensors["weight"])
         _buffer(self, "weight_scale", tensors["weight_scale"])
 
@@ -135,6 +139,8 @@ class W8A8Linear(_QuantizedLinear):
 class PackedIntLinear(_QuantizedLinear):
     """``pack-quantized`` weights kept as stored; dequantized per forward."""
 
+    kernel = "dequantize + GEMM"
+
     NAMES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
 
     def __init__(self, tensors: dict[str, torch.Tensor], scheme: QuantScheme, bias, dtype):
@@ -153,6 +159,8 @@ class PackedIntLinear(_QuantizedLinear):
 
 class Int8PackLinear(_QuantizedLinear):
     """Symmetric per-channel INT8 for ``torch.ops.aten._weight_int8pack_mm`` (bf16 activations)."""
+
+    kernel = "_weight_int8pack_mm (bf16)"
 
     def __init__(self, tensors: dict[str, torch.Tensor], scheme: QuantScheme, bias, dtype):
         q, scale, _, _ = decode_linear(tensors, scheme)
@@ -182,6 +190,8 @@ class Int4PackLinear(_QuantizedLinear):
     compressed-tensors value ``q = u - 8`` with zero point ``zp`` is ``(q - zp) * scale``, so
     ``zero = -zp * scale``.
     """
+
+    kernel = "_weight_int4pack_mm_for_cpu (bf16)"
 
     def __init__(self, tensors: dict[str, torch.Tensor], scheme: QuantScheme, bias, dtype):
         q, scale, zp, _ = decode_linear(tensors, scheme)
@@ -225,6 +235,7 @@ def make_linear(
     use_cpu_kernels: bool = True,
     kernels: str = "torch",
     interpreted: bool = False,
+    int8_gemm: bool = True,
 ) -> nn.Module:
     """Build the Linear for module ``name`` from its checkpoint tensors (names relative to it).
 
@@ -233,6 +244,8 @@ def make_linear(
     W8A8: fake-quantized activations times the dequantized weight instead of ``torch._int_mm``).
     ``kernels="triton"``: weight-only INT4/INT8 and FP8 Linears run the Triton dequant-matmul
     (``KernelLinear``; ``interpreted``: forced on the CPU, under Triton's interpreter).
+    ``int8_gemm=False``: W8A8 never calls ``torch._int_mm`` (a CPU without VNNI, where torch's
+    fallback is ~100x slower): its reference path runs instead (``runtime.model.layers.cpu_kernels``).
     """
     bias = tensors.get("bias")
     check_linear_tensors(name, tensors, scheme)
@@ -243,13 +256,23 @@ def make_linear(
         return kernel
     if not scheme.is_packed:
         if scheme.type != "float":
-            return W8A8Linear(tensors, scheme, bias, dtype, use_int_mm=use_cpu_kernels)
+            return W8A8Linear(tensors, scheme, bias, dtype, use_int_mm=use_cpu_kernels and int8_gemm)
         return Fp8Linear(tensors, scheme, bias, dtype)
     if use_cpu_kernels and Int4PackLinear.supports(scheme, tensors, dtype):
         return Int4PackLinear(tensors, scheme, bias, dtype)
     if use_cpu_kernels and Int8PackLinear.supports(scheme, tensors, dtype):
         return Int8PackLinear(tensors, scheme, bias, dtype)
     return PackedIntLinear(tensors, scheme, bias, dtype)
+
+
+def linear_kernels(model: nn.Module) -> dict[str, int]:
+    """How many Linears of ``model`` run each kernel (``kernel`` attribute), most used first."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        kernel = getattr(module, "kernel", None)
+        if isinstance(kernel, str):
+            counts[kernel] = counts.get(kernel, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def check_linear_tensors(name: str, tensors: dict[str, torch.Tensor], scheme: QuantScheme | None) -> None:

@@ -32,6 +32,7 @@ from foundation.schemes import (
     W8A8,
     W8A16,
 )
+from runtime.model.layers.activation_dtype import CpuFeatures
 from runtime.model.layers.linear import (
     Fp8Linear,
     Int4PackLinear,
@@ -40,6 +41,7 @@ from runtime.model.layers.linear import (
     W8A8Linear,
     fake_quantize_fp8_per_token,
     fake_quantize_int8_per_token,
+    linear_kernels,
     make_linear,
     quantize_int8_per_token,
 )
@@ -333,6 +335,7 @@ def test_converted_then_quantized_matches_dequantized_reference(tiny_checkpoints
 # logits are therefore bounded relative to the logit range (fixed before measuring); the exact
 # check is per layer, on the same inputs.
 W8A8_LOGITS_REL = 5e-2
+VNNI_CPU = CpuFeatures(avx2=True, avx512=True, vnni=True, avx512_bf16=False, amx=False)
 
 
 def _w8a8_logits_close(got, ref):
@@ -347,8 +350,9 @@ def test_w8a8_int_mm_checkpoint_equals_reference_path(quantized):
     close to the reference path's."""
     ids = torch.randint(0, 512, (24,), generator=torch.Generator().manual_seed(5))
     path = quantized["W8A8"]
-    model = load_model(path, "float32")
+    model = load_model(path, "float32", cpu_features=VNNI_CPU)
     assert isinstance(model.layers[0].self_attn.qkv_proj.linear, W8A8Linear)
+    assert linear_kernels(model) == {"torch._int_mm (INT8 GEMM)": 4 * 4, "dense GEMM": 1}
     checked = []
 
     def same_input_check(module, inputs, output):
