@@ -16,6 +16,7 @@ import math
 import shutil
 import time
 from dataclasses import asdict, dataclass, replace
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Callable, Literal
 
@@ -34,6 +35,8 @@ from foundation.texts import DEFAULT_HEAL, RANGES, load_text
 TrainMode = Literal["attn", "all", "lora"]
 Clock = Literal["wall", "cpu"]
 TRAIN_MODES = ("attn", "all", "lora")
+OPTIMIZERS = ("adamw", "adamw8bit")
+Optim = Literal["adamw", "adamw8bit"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,9 @@ class HealSpec:
     seq_len: int = 256
     batch_size: int = 4
     lr: float | None = None  # peak learning rate; None: default_lr(student, teacher)
+    # "adamw": torch's (8 bytes of fp32 moments per trained parameter); "adamw8bit": bitsandbytes'
+    # blockwise 8-bit moments (2 bytes; tensors under 4,096 values keep fp32 moments).
+    optim: Optim = "adamw"
     warmup_steps: int = 5
     hidden_weight: float = 0.0  # weight of hidden_state_loss added to the KL (0: logits only)
     lora_rank: int = 16
@@ -71,6 +77,10 @@ class HealSpec:
             raise KvslimError(f"--lr {self.lr}: must be a positive number")
         if self.hidden_weight < 0:
             raise KvslimError(f"--hidden-weight {self.hidden_weight}: must be >= 0")
+        if self.optim not in OPTIMIZERS:
+            raise KvslimError(f"--optim {self.optim}: expected one of {', '.join(OPTIMIZERS)}")
+        if self.optim == "adamw8bit" and find_spec("bitsandbytes") is None:
+            raise KvslimError("--optim adamw8bit needs bitsandbytes: pip install bitsandbytes")
         if self.train not in TRAIN_MODES:
             raise KvslimError(f"--train {self.train}: expected one of {', '.join(TRAIN_MODES)}")
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -99,6 +109,7 @@ class HealResult:
     data: str
     wall_seconds: float  # of this invocation (a resumed run's earlier part not included)
     lr: float  # the peak learning rate used
+    optimizer_bytes: int = 0  # the optimizer's state at the end (moments and their scales)
 
 
 def _state_dir(out: Path) -> Path:
@@ -233,7 +244,7 @@ def heal(
     model, params = _prepare(student, names, spec)
     if spec.lr is None:  # resolved here, so a saved state records (and resumes with) the rate used
         spec = replace(spec, lr=default_lr(student_ckpt.config, teacher_ckpt.config))
-    optimizer = torch.optim.AdamW([p for _, p in params], lr=spec.lr, weight_decay=0.0)
+    optimizer = make_optimizer([p for _, p in params], spec)
 
     state_dir = _state_dir(out)
     start, seconds, first_loss, losses = _load_state(state_dir, spec, params, optimizer)
@@ -284,7 +295,8 @@ def heal(
     model.eval()
     _write_student(model, student_ckpt, spec, out, force)
     shutil.rmtree(state_dir, ignore_errors=True)
-    return HealResult(Path(out), completed, completed * chunk, seconds, first_loss, last_loss, start, data_name, wall, spec.lr)
+    return HealResult(Path(out), completed, completed * chunk, seconds, first_loss, last_loss, start, data_name, wall, spec.lr,
+                      optimizer_state_bytes(optimizer))
 
 
 def _cpu_time() -> float:
@@ -302,8 +314,6 @@ def _prepare(student, names: list[str], spec: HealSpec):
         for _, p in params:
             p.requires_grad_(True)
         return student, params
-    from importlib.util import find_spec
-
     if find_spec("peft") is None:
         raise KvslimError("--train lora needs the peft package: pip install peft")
     from peft import LoraConfig, get_peft_model
@@ -313,15 +323,30 @@ def _prepare(student, names: list[str], spec: HealSpec):
     return peft_model, [(n, p) for n, p in peft_model.named_parameters() if p.requires_grad]
 
 
+def make_optimizer(params: list[torch.nn.Parameter], spec: HealSpec) -> torch.optim.Optimizer:
+    """AdamW (no weight decay) over ``params``: torch's, or bitsandbytes' 8-bit one."""
+    if spec.optim == "adamw8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, lr=spec.lr, weight_decay=0.0)
+    return torch.optim.AdamW(params, lr=spec.lr, weight_decay=0.0)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor the optimizer keeps per parameter (moments, their scales and maps)."""
+    tensors = {v.data_ptr(): v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)}
+    return sum(v.numel() * v.element_size() for v in tensors.values())
+
+
 def _save_state(state_dir: Path, spec: HealSpec, params, optimizer, step: int, seconds: float,
                 first_loss: float, losses: list[float]) -> None:
     tensors = {f"param.{n}": p.detach().cpu().contiguous() for n, p in params}
-    for n, p in params:
-        st = optimizer.state.get(p)
-        if st:
-            tensors[f"exp_avg.{n}"] = st["exp_avg"].cpu().contiguous()
-            tensors[f"exp_avg_sq.{n}"] = st["exp_avg_sq"].cpu().contiguous()
-            tensors[f"adam_step.{n}"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1)
+    for n, p in params:  # every entry of the optimizer's state (torch's and bitsandbytes' keys alike)
+        for key, value in optimizer.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optim.{key}.{n}"] = value.detach().cpu().clone()  # bitsandbytes shares its code maps
+            else:  # a Python number (bitsandbytes' step)
+                tensors[f"optim_number.{key}.{n}"] = torch.tensor([value], dtype=torch.float64)
     tmp = state_dir.with_name(state_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -343,12 +368,19 @@ def _load_state(state_dir: Path, spec: HealSpec, params, optimizer) -> tuple[int
     with torch.no_grad():
         for n, p in params:
             p.copy_(tensors[f"param.{n}"])
-            if f"exp_avg.{n}" in tensors:
-                optimizer.state[p] = {
-                    "step": tensors[f"adam_step.{n}"][0].clone(),
-                    "exp_avg": tensors[f"exp_avg.{n}"].to(p.device),
-                    "exp_avg_sq": tensors[f"exp_avg_sq.{n}"].to(p.device),
-                }
+            state = {}
+            for name, value in tensors.items():
+                kind, _, rest = name.partition(".")
+                key, _, param = rest.partition(".")
+                if param != n or kind not in ("optim", "optim_number"):
+                    continue
+                if kind == "optim":  # torch's AdamW keeps its step as a CPU tensor
+                    state[key] = value if key == "step" else value.to(p.device)
+                else:
+                    number = float(value[0])
+                    state[key] = int(number) if number.is_integer() else number
+            if state:
+                optimizer.state[p] = state
     return int(meta["step"]), float(meta["seconds"]), float(meta["first_loss"]), list(meta["losses"])
 
 

@@ -20,6 +20,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=None,
                    help="peak learning rate (warmup, then cosine); default 2e-4 when the rewrite merged KV heads "
                         "(GQA/MQA), else 5e-4")
+    p.add_argument("--optim", choices=("adamw", "adamw8bit"), default="adamw",
+                   help="adamw: torch's (8 bytes of state per trained parameter); adamw8bit: bitsandbytes' 8-bit "
+                        "AdamW (2 bytes), for healing larger models in less memory")
     p.add_argument("--hidden-weight", type=float, default=0.0, metavar="W",
                    help="add W x hidden-state matching (every layer's output, relative error per token) to the KL")
     p.add_argument("--eval-tokens", type=int, default=2048,
@@ -31,7 +34,7 @@ def spec_from_args(args: argparse.Namespace):
     from attention_variants.heal import HealSpec
 
     return HealSpec(steps=args.steps, minutes=args.minutes, data=args.data, train=args.train, device=args.device,
-                    seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
+                    seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, optim=args.optim,
                     hidden_weight=args.hidden_weight)
 
 
@@ -46,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     teacher = resolve_model(args.teacher)
     result = heal(resolve_model(args.converted), teacher, spec_from_args(args), args.out, force=args.force)
     print(f"healed {args.converted} -> {result.out}: {result.steps} steps, {result.tokens} tokens of {result.data}, "
-          f"{result.train_seconds / 60:.1f} min on {args.device}, peak lr {result.lr:g}"
+          f"{result.train_seconds / 60:.1f} min on {args.device}, peak lr {result.lr:g}, {args.optim} state "
+          f"{result.optimizer_bytes / 2**20:.1f} MiB"
           + (f" (resumed at step {result.resumed_from})" if result.resumed_from else ""))
     what = "KL, nats/token" + (f" + {args.hidden_weight:g} x hidden-state error" if args.hidden_weight else "")
     print(f"  distillation loss ({what}): {result.first_loss:.4f} -> {result.last_loss:.4f}")

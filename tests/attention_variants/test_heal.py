@@ -81,7 +81,11 @@ def test_heal_lowers_loss_and_held_out_perplexity_and_keeps_the_rest(pair, spec,
     assert changed and all(".self_attn." in n for n in changed)  # untouched parameters bit-identical
 
 
-def test_resume_continues_the_same_run(pair, spec, tmp_path):
+@pytest.mark.parametrize("optim", ["adamw", "adamw8bit"])
+def test_resume_continues_the_same_run(pair, spec, tmp_path, optim):
+    if optim == "adamw8bit":
+        pytest.importorskip("bitsandbytes")
+    spec = replace(spec, optim=optim)
     teacher, student = pair
     straight = heal(student, teacher, spec, tmp_path / "straight")
 
@@ -97,6 +101,16 @@ def test_resume_continues_the_same_run(pair, spec, tmp_path):
     a, b = load_file(straight.out / "model.safetensors"), load_file(resumed.out / "model.safetensors")
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-5)
+
+
+def test_adamw8bit_heals_in_a_quarter_of_the_optimizer_memory(pair, spec, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    teacher, student = pair
+    full = heal(student, teacher, spec, tmp_path / "adamw")
+    small = heal(student, teacher, replace(spec, optim="adamw8bit"), tmp_path / "adamw8bit")
+    # 8 bytes of fp32 moments per trained parameter vs 2 bytes of 8-bit moments (+ block scales, maps)
+    assert small.optimizer_bytes < 0.3 * full.optimizer_bytes
+    assert _held_out_kl(small.out, teacher) < _held_out_kl(student, teacher)
 
 
 def test_cpu_clock_budget_follows_cpu_time_and_stops(pair, spec, tmp_path, monkeypatch):
@@ -183,6 +197,7 @@ def test_bad_input(pair, tiny_llama, heal_text, tmp_path, capsys):
     (dict(steps=1, seq_len=1), "--seq-len must be at least 2"),
     (dict(steps=1, batch_size=0), "--batch-size at least 1"),
     (dict(steps=1, train="some"), "--train some"),
+    (dict(steps=1, optim="sgd"), "--optim sgd"),
 ])
 def test_spec_is_checked_before_any_checkpoint_is_read(settings, message, tmp_path):
     with pytest.raises(KvslimError, match=message):
