@@ -120,13 +120,19 @@ def main() -> None:
             quantize_checkpoint(src, out, scheme, force=True, progress=False, dtype=torch.bfloat16)
             checkpoints.append((name, out))
         checkpoints += [(n, Path(d)) for n, d in (c.split("=", 1) for c in args.checkpoint)]
+        extra = {n for n, _ in checkpoints[len(OURS):]}
         for name, ckpt in checkpoints:
-            path = work / f"{name}.gguf"
-            done = export_gguf(ckpt, path, "auto")
-            types = sorted({t.ggml_type.name for t in done.tensors if t.source == "exact"})
-            rows.append(row(name, f"compress export --gguf auto -> {'/'.join(types)}, codes kept "
-                            f"(scale change {done.max_scale_rel_change:.1e})", path, transformers_ppl(ckpt, ids),
-                            ids, args.threads, checkpoint_mib=sum(f.stat().st_size for f in ckpt.glob("*.safetensors")) / 2**20))
+            ours = transformers_ppl(ckpt, ids)
+            mib = sum(f.stat().st_size for f in ckpt.glob("*.safetensors")) / 2**20
+            # The --checkpoint rows also with a Q8_0 embedding, as llama.cpp's own 4-bit files store it.
+            for embeddings in ("float", "q8_0") if name in extra else ("float",):
+                path = work / f"{name}-{embeddings}.gguf"
+                done = export_gguf(ckpt, path, "auto", embeddings=embeddings)
+                types = sorted({t.ggml_type.name for t in done.tensors if t.source == "exact"})
+                label = name if embeddings == "float" else f"{name}, q8_0 embed"
+                rows.append(row(label, f"compress export --gguf auto --embeddings {embeddings} -> {'/'.join(types)}, "
+                                f"codes kept (scale change {done.max_scale_rel_change:.1e})", path,
+                                ours if embeddings == "float" else None, ids, args.threads, checkpoint_mib=mib))
     result = {"text": TEXT, "max_tokens": args.max_tokens, "context": DEFAULT_CONTEXT, "stride": DEFAULT_STRIDE,
               "original_ppl": original, "tolerance": TOLERANCE, "llama_cpp_python": version("llama_cpp_python"),
               "machine": platform.processor() or platform.machine(), "rows": rows}
@@ -134,11 +140,11 @@ def main() -> None:
     args.json.write_text(json.dumps(result, indent=2))
     print(f"\nperplexity on {TEXT}, first {args.max_tokens} tokens, context {DEFAULT_CONTEXT}, stride {DEFAULT_STRIDE}; "
           f"original (fp32, transformers) {original:.3f}")
-    print(f"{'GGUF':<22} {'MiB':>6} {'llama.cpp':>9} {'vs orig':>8} {'ours':>8} {'l.cpp/ours':>10}")
+    print(f"{'GGUF':<30} {'MiB':>6} {'llama.cpp':>9} {'vs orig':>8} {'ours':>8} {'l.cpp/ours':>10}")
     for r in rows:
         ours = f"{r['ours_ppl']:.3f}" if r["ours_ppl"] else "-"
         ratio = f"{r['llama_cpp_vs_ours'] * 100:+.2f}%" if r["ours_ppl"] else "-"
-        print(f"{r['name']:<22} {r['gguf_mib']:>6.1f} {r['llama_cpp_ppl']:>9.3f} "
+        print(f"{r['name']:<30} {r['gguf_mib']:>6.1f} {r['llama_cpp_ppl']:>9.3f} "
               f"{(r['llama_cpp_ppl'] / original - 1) * 100:>+7.2f}% {ours:>8} {ratio:>10}")
 
 

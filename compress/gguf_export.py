@@ -4,7 +4,8 @@ Quantized Linears keep their codes (``compress.gguf_blocks``: no re-quantization
 block holds them exactly); a scheme no block holds is refused unless ``requantize`` lets gguf's
 own quantizer (llama.cpp's round-to-nearest) redo it from our dequantized weights. Unquantized
 Linears stay in their float dtype under ``auto`` and are quantized by gguf under a named type.
-Embeddings and an untied lm_head keep their float dtype; norms are F32, as llama.cpp wants.
+Embeddings and an untied lm_head keep their float dtype (or gguf's Q8_0 on request, as llama.cpp's
+own Q4 files store them); norms are F32, as llama.cpp wants.
 
 The file streams: tensor infos are planned first, then each tensor is encoded and written in
 turn (one tensor in memory), into a temp file renamed into place at the end.
@@ -43,13 +44,14 @@ _FILE_TYPE = {Q.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0, Q.Q4_1: gguf.LlamaFileType
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 Source = Literal["exact", "float", "gguf-quantized", "requantized"]
+Embeddings = Literal["float", "q8_0"]
 
 
 @dataclass(frozen=True)
 class TensorPlan:
     """One GGUF tensor: where it comes from and how it is stored."""
 
-    name: str  # checkpoint tensor (float) or module (Linear)
+    name: str  # the checkpoint tensor it reads ("float", "gguf-quantized") or the Linear module (codes)
     gguf_name: str
     shape: tuple[int, ...]  # [out, in] or [n]
     ggml_type: gguf.GGMLQuantizationType
@@ -129,7 +131,7 @@ def _linear_plan(ckpt: Checkpoint, module: str, shape: tuple[int, int], gguf_nam
         if choice == "auto":
             return TensorPlan(f"{module}.weight", gguf_name, shape, _float_type(ckpt, f"{module}.weight"), "float",
                               heads=heads)
-        return TensorPlan(module, gguf_name, shape, _QUANT_TYPES[choice], "gguf-quantized", heads=heads)
+        return TensorPlan(f"{module}.weight", gguf_name, shape, _QUANT_TYPES[choice], "gguf-quantized", heads=heads)
     target = exact_type_for(scheme) if choice == "auto" else choice
     reason = exact_type_reason(scheme, target) if target else f"no GGML block holds {scheme.name} codes exactly"
     if reason is None and ckpt.has(f"{module}.weight_g_idx"):
@@ -142,7 +144,8 @@ def _linear_plan(ckpt: Checkpoint, module: str, shape: tuple[int, int], gguf_nam
     return TensorPlan(module, gguf_name, shape, _QUANT_TYPES[target or "q8_0"], "requantized", scheme, heads)
 
 
-def plan_tensors(ckpt: Checkpoint, choice: GgufChoice, requantize: bool) -> list[TensorPlan]:
+def plan_tensors(ckpt: Checkpoint, choice: GgufChoice, requantize: bool, embeddings: Embeddings = "float"
+                 ) -> list[TensorPlan]:
     """Every tensor of the GGUF file, in file order, with its GGML type and source."""
     config = ckpt.config
     layout = check_exportable(config)
@@ -158,8 +161,15 @@ def plan_tensors(ckpt: Checkpoint, choice: GgufChoice, requantize: bool) -> list
         ggml_type = Q.F32 if len(shape) == 1 else _float_type(ckpt, name)
         return TensorPlan(name, gguf_name(name), shape, ggml_type, "float")
 
+    def embedding_plan(name: str, shape: tuple[int, int]) -> TensorPlan:
+        if embeddings == "float":
+            return float_plan(name, shape)
+        if shape[1] % BLOCK:
+            raise KvslimError(f"{name}: {shape[1]} columns are not a multiple of GGML's {BLOCK}-column blocks")
+        return TensorPlan(name, gguf_name(name), shape, Q.Q8_0, "gguf-quantized")
+
     embed = (shapes.vocab_size, shapes.hidden_size)
-    plans = [float_plan("model.embed_tokens.weight", embed)]
+    plans = [embedding_plan("model.embed_tokens.weight", embed)]
     heads = {"q_proj": layout.num_heads, "k_proj": layout.num_kv_heads}
     for i in range(layout.num_layers):
         p = f"model.layers.{i}."
@@ -174,7 +184,7 @@ def plan_tensors(ckpt: Checkpoint, choice: GgufChoice, requantize: bool) -> list
     if not shapes.tie_word_embeddings:
         if quant and quant.scheme_for("lm_head"):
             raise KvslimError("a quantized lm_head is not exported (GGUF export keeps the lm_head in float)")
-        plans.append(float_plan("lm_head.weight", embed))
+        plans.append(embedding_plan("lm_head.weight", embed))
     return plans
 
 
@@ -200,7 +210,7 @@ def _encode(ckpt: Checkpoint, plan: TensorPlan, changes: _Changes) -> np.ndarray
         tensors = {n.rsplit(".", 1)[-1]: ckpt.get(n) for n in ckpt.names() if n.startswith(plan.name + ".")}
         weight = dequantize_linear(tensors, plan.scheme)
     else:
-        weight = ckpt.get(plan.name if plan.source == "float" else f"{plan.name}.weight")
+        weight = ckpt.get(plan.name)
     if plan.heads:
         weight = llama_row_order(weight, plan.heads)
     if plan.ggml_type in _TORCH_OF:
@@ -230,10 +240,11 @@ def _add_metadata(writer: gguf.GGUFWriter, config: dict, plans: list[TensorPlan]
 
 
 def export_gguf(checkpoint: str | Path, out: str | Path, choice: GgufChoice = "auto", requantize: bool = False,
-                tokenizer_pre: str | None = None, force: bool = False) -> GgufExport:
-    """Write ``checkpoint`` as the llama.cpp GGUF file ``out`` (see the module docstring)."""
+                tokenizer_pre: str | None = None, force: bool = False, embeddings: Embeddings = "float") -> GgufExport:
+    """Write ``checkpoint`` as the llama.cpp GGUF file ``out`` (see the module docstring);
+    ``embeddings="q8_0"``: the embedding (and an untied lm_head) quantized by gguf to Q8_0."""
     ckpt = Checkpoint.open(checkpoint)
-    plans = plan_tensors(ckpt, choice, requantize)
+    plans = plan_tensors(ckpt, choice, requantize, embeddings)
     notes = []
     if kv_cache_scheme_of(ckpt.config):
         notes.append("the checkpoint's KV-cache scales are not carried: llama.cpp picks its KV cache type at run "

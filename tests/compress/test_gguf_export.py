@@ -142,6 +142,15 @@ def test_unquantized_checkpoint_keeps_float_or_is_quantized_by_gguf(tiny_with_to
     torch.testing.assert_close(weights["blk.0.ffn_up.weight"][1], ref, atol=ref.abs().max().item() / 100, rtol=0)
 
 
+def test_embeddings_can_be_q8_0(quantized, tmp_path):
+    done = export_gguf(quantized["int4_sym"], tmp_path / "m.gguf", embeddings="q8_0")
+    kinds = {t.gguf_name: (t.ggml_type.name, t.source) for t in done.tensors}
+    assert kinds["token_embd.weight"] == ("Q8_0", "gguf-quantized") == kinds["output.weight"]
+    embed = Checkpoint.open(quantized["int4_sym"]).get("model.embed_tokens.weight").float()
+    got = _gguf_weights(tmp_path / "m.gguf")["token_embd.weight"][1]
+    torch.testing.assert_close(got, embed, atol=embed.abs().max().item() / 127, rtol=0)
+
+
 def test_fp32_scales_are_rounded_and_reported(tiny_with_tokenizer, tmp_path):
     ckpt = quantize_checkpoint(tiny_with_tokenizer, tmp_path / "fp32", SCHEMES["int4_sym"], progress=False).out
     done = export_gguf(ckpt, tmp_path / "m.gguf")
