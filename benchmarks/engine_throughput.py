@@ -9,6 +9,7 @@ process, under each OpenMP wait policy of ``--omp-policies`` (the policy is fixe
 loads OpenMP), and ``--repeats N`` measures every row N times, interleaved, keeping the best
 (this shared machine's speed drifts by +-30% between runs).
 
+llama-cpp-python runs the package's Q4_1 GGUF and any ``--llama-cpp-ggufs`` (our exports).
 Quantized checkpoints run as their own engine peers ("kvslim engine W8A8", named by the scheme in
 their config), at the same activation dtypes: ``--engine-w8a8`` first quantizes the model to W8A8
 (RTN) into a temporary directory; ``--engine-checkpoints DIR ...`` takes existing ones.
@@ -131,6 +132,8 @@ def main() -> int:
     ap.add_argument("--engine-checkpoints", nargs="+", default=[], metavar="DIR[@DTYPE,...]",
                     help="also run the engine on these (quantized) checkpoints, one peer each; @DTYPEs "
                          "overrides --engine-dtypes for that one (e.g. an INT4 checkpoint @bfloat16)")
+    ap.add_argument("--llama-cpp-ggufs", nargs="+", default=[], metavar="GGUF",
+                    help="llama-cpp-python also on these files (e.g. `compress export CKPT --gguf`), beside the package's")
     ap.add_argument("--omp-policies", nargs="+", default=["ACTIVE", "PASSIVE"], choices=("ACTIVE", "PASSIVE"),
                     help="OMP_WAIT_POLICY values every peer runs under (its best row is kept)")
     ap.add_argument("--threads", type=int, default=2)
@@ -160,7 +163,8 @@ def main() -> int:
     if importlib.util.find_spec("llama_cpp") is None:
         skipped = "llama-cpp-python is not installed (it compiles from source for ~11 min); skipped"
     else:
-        plan += [(LLAMA_CPP, gguf_path(), "Q4_1 GGUF", c) for c in args.concurrency]
+        ggufs = [(gguf_path(), "Q4_1 GGUF (package)")] + [(Path(g), f"{Path(g).stem} GGUF") for g in args.llama_cpp_ggufs]
+        plan += [(LLAMA_CPP, g, label, c) for c in args.concurrency for g, label in ggufs]
     runs: dict[tuple, list[dict]] = {}
     for rep in range(args.repeats):
         for peer, path, dt, c in plan:

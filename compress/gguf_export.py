@@ -182,9 +182,12 @@ def plan_tensors(ckpt: Checkpoint, choice: GgufChoice, requantize: bool, embeddi
         plans.append(float_plan(f"{p}post_attention_layernorm.weight", (shapes.hidden_size,)))
     plans.append(float_plan("model.norm.weight", (shapes.hidden_size,)))
     if not shapes.tie_word_embeddings:
-        if quant and quant.scheme_for("lm_head"):
-            raise KvslimError("a quantized lm_head is not exported (GGUF export keeps the lm_head in float)")
-        plans.append(embedding_plan("lm_head.weight", embed))
+        head = quant.scheme_for("lm_head") if quant else None
+        if head is not None:  # its own codes, in the type that holds them exactly (`--lm-head`)
+            plans.append(_linear_plan(ckpt, "lm_head", embed, gguf_name("lm_head.weight"), head, "auto", requantize,
+                                      None))
+        else:
+            plans.append(embedding_plan("lm_head.weight", embed))
     return plans
 
 

@@ -57,6 +57,7 @@ class Inspection:
     unread: tuple[str, ...] = ()  # tensors the kvslim runtime does not read (e.g. a foreign input_scale)
     kv_plan: dict | None = None  # plan.json (compress convert --kv-budget)
     bnb: BnbScheme | None = None  # a bitsandbytes checkpoint (compress quantize --nf4 / --int8-bnb)
+    other_groups: tuple[str, ...] = ()  # quantization groups beside the main one (e.g. "lm_head: W8A16 ...")
 
     @property
     def total_bytes(self) -> int:
@@ -80,8 +81,9 @@ def inspect_checkpoint(path: str | Path) -> Inspection:
     if bnb is not None:
         return _inspect_bnb(ckpt, model_type, layout, bnb)
     quant = QuantSpec.of_model_config(config)
-    group = quant.single_group if quant else None
+    group = quant.main_group if quant else None
     scheme = group.scheme if group else None
+    others = tuple(f"{', '.join(g.targets)}: {g.scheme.describe()}" for g in quant.groups if g is not group) if quant else ()
     fmt = (group.format or quant.format) if quant else None
     ignore = quant.ignore if quant else ()
     unread = check_checkpoint(ckpt, ModelShapes.from_config(config, layout),
@@ -100,14 +102,15 @@ def inspect_checkpoint(path: str | Path) -> Inspection:
         else:
             out_f, in_f = (shape[0], shape[1]) if len(shape) == 2 else (0, 0)
         params += out_f * in_f if leaf == "weight_packed" else prod(shape)
-        if scheme is not None and ckpt.has(f"{module}.weight_scale") and leaf in ("weight", "weight_packed"):
-            linears.append(QuantizedLinear(module, in_f, out_f, kernel_verdicts(scheme, in_f, out_f)))
+        linear_scheme = quant.scheme_for(module) if quant else None
+        if linear_scheme is not None and ckpt.has(f"{module}.weight_scale") and leaf in ("weight", "weight_packed"):
+            linears.append(QuantizedLinear(module, in_f, out_f, kernel_verdicts(linear_scheme, in_f, out_f)))
     arch = ",".join(config.get("architectures") or [model_type])
     max_ctx = int(config.get("max_position_embeddings") or 4096)
     return Inspection(
         Path(path), arch, model_type, layout, bool(config.get("tie_word_embeddings", False)), scheme, fmt,
         ignore, dict(by_dtype), params, tuple(sorted(linears, key=lambda l: _sort_key(l.name))), max_ctx,
-        tuple(unread), read_plan(ckpt.path),
+        tuple(unread), read_plan(ckpt.path), other_groups=others,
     )
 
 
@@ -170,6 +173,7 @@ def format_inspection(ins: Inspection, per_layer: bool = False) -> str:
         lines.append("quantization: none (dense weights)")
     else:
         lines.append(f"quantization: {ins.scheme.describe()}; format {ins.quant_format}; ignore {list(ins.ignore)}")
+        lines.extend(f"  {g}" for g in ins.other_groups)
     dtypes = ", ".join(f"{d} {_mib(b)}" for d, b in sorted(ins.bytes_by_dtype.items(), key=lambda kv: -kv[1]))
     lines.append(f"weights: {_mib(ins.total_bytes)} ({dtypes}); {ins.num_params:,} parameters "
                  f"({ins.num_params * 2 / 2**20:,.2f} MiB in bf16){'; tied embeddings' if ins.tied_embeddings else ''}")

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Literal, Sequence
 
 import torch
 from tqdm import tqdm
@@ -31,7 +31,7 @@ from foundation.atomic import atomic_output_dir, check_output_dir
 from foundation.checkpoint import Checkpoint, ShardWriter, write_config
 from foundation.errors import KvslimError
 from foundation.primitives import dequantize_linear
-from foundation.schemes import QuantScheme
+from foundation.schemes import W4A16, W8A16, QuantScheme
 from foundation.tensor_shapes import (
     ModelShapes,
     check_checkpoint,
@@ -44,6 +44,9 @@ from foundation.tensor_shapes import (
 # (benchmarks/quant_streaming_memory.py, BENCHMARKS.md).
 DEFAULT_MAX_SHARD_BYTES = 256 * 2**20
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
+LmHead = Literal["int8", "int4", "bf16"]
+# The lm_head's own scheme (round-to-nearest): torch's weight-only CPU kernels take both.
+LM_HEAD_SCHEMES: dict[str, QuantScheme] = {"int8": W8A16, "int4": W4A16.with_options(group_size=32, symmetric=True)}
 
 
 @dataclass(frozen=True)
@@ -56,12 +59,18 @@ class QuantizeResult:
     seconds: float
 
 
-def quantization_config(scheme: QuantScheme, ignore: tuple[str, ...], kv_cache_scheme: dict | None = None) -> dict:
+def quantization_config(scheme: QuantScheme, ignore: tuple[str, ...], kv_cache_scheme: dict | None = None,
+                        lm_head: QuantScheme | None = None) -> dict:
     """``config.json["quantization_config"]`` exactly as compressed-tensors'
-    ``ModelCompressor.update_config`` writes it after llm-compressor compressed a model."""
+    ``ModelCompressor.update_config`` writes it after llm-compressor compressed a model;
+    ``lm_head``: a second group naming ``lm_head`` (a name outranks the class ``Linear``)."""
+    groups = {"group_0": scheme.to_config_group()}
+    if lm_head is not None:
+        groups["group_1"] = lm_head.to_config_group(targets=("lm_head",))
+    formats = {g["format"] for g in groups.values()}
     return {
-        "config_groups": {"group_0": scheme.to_config_group()},
-        "format": scheme.format,
+        "config_groups": groups,
+        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
         "global_compression_ratio": None,
         "ignore": list(ignore),
         "kv_cache_scheme": kv_cache_scheme,
@@ -163,6 +172,7 @@ def quantize_checkpoint(
     dtype: torch.dtype | None = None,
     finish: Callable[[Path], None] | None = None,
     linears: Sequence[str] | None = None,
+    lm_head: LmHead | None = None,
 ) -> QuantizeResult:
     """Quantize ``source`` (an HF checkpoint directory) into ``out`` (written atomically);
     ``dtype`` casts every floating-point tensor first (default: keep the source's). ``finish``
@@ -171,7 +181,11 @@ def quantize_checkpoint(
     ``linears``: what ``plan_linears`` already chose for ``source`` (then the ``Checkpoint`` that
     ``open_source`` returned, or a reading of it such as a ``SmoothedCheckpoint``) with this
     ``scheme`` and ``ignore``, ``out`` having passed ``check_output_dir``: none of that runs again.
-    Without it the output is checked, the source opened and the Linears planned here."""
+    Without it the output is checked, the source opened and the Linears planned here.
+
+    ``lm_head`` ("int8" | "int4" | "bf16"): the output projection written apart from ``scheme``,
+    round-to-nearest (``LM_HEAD_SCHEMES``) or as a bf16 copy; a tied one is untied (the copy of
+    the embedding becomes ``lm_head.weight``, ``tie_word_embeddings`` false)."""
     if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise KvslimError(f"output dtype {dtype}: expected bfloat16, float16 or float32")
     quantizer = quantizer or RTN()
@@ -187,6 +201,8 @@ def quantize_checkpoint(
     else:
         raise TypeError("planned linears come with the opened Checkpoint they were planned on")
     targets = set(linears)
+    if lm_head is not None and "lm_head.weight" in targets:
+        raise KvslimError("lm_head is both a quantization target and given its own --lm-head scheme; keep it in --ignore")
     stats: list[TensorStat] = []
     with atomic_output_dir(out, force=force, checked=True) as tmp:
         writer = ShardWriter(tmp, max_shard_bytes=max_shard_bytes)
@@ -195,6 +211,8 @@ def quantize_checkpoint(
         for layer, names in bar:
             bar.set_postfix_str("other" if layer is None else f"layer {layer}")
             for name in names:
+                if lm_head is not None and name == "lm_head.weight":
+                    continue  # written by _write_lm_head
                 original = ckpt.get(name)
                 tensor = original.to(dtype) if dtype is not None and original.is_floating_point() else original
                 if name in targets:
@@ -202,6 +220,8 @@ def quantize_checkpoint(
                 else:
                     writer.add(name, tensor)
                     stats.append(_stat(name, original, _nbytes(tensor), False, None))
+        if lm_head is not None:
+            stats.append(_write_lm_head(ckpt, lm_head, dtype, writer))
         extras = quantizer.finish()
         _check_kv_scales(ckpt, kv_cache_scheme, extras)
         for name, tensor in extras.items():
@@ -211,13 +231,31 @@ def quantize_checkpoint(
         if dtype is not None:
             for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]:
                 config[key] = str(dtype).removeprefix("torch.")
-        config["quantization_config"] = quantization_config(scheme, ignore, kv_cache_scheme)
+        head_scheme = LM_HEAD_SCHEMES.get(lm_head)
+        if lm_head is not None:
+            config["tie_word_embeddings"] = False
+            if head_scheme is not None:
+                ignore = tuple(p for p in ignore if p != "lm_head")
+        config["quantization_config"] = quantization_config(scheme, ignore, kv_cache_scheme, head_scheme)
         write_config(tmp, config)
         ckpt.copy_side_files(tmp)
         if finish is not None:
             finish(tmp)
     return QuantizeResult(out.expanduser().resolve(), scheme, quantizer.name, ignore, tuple(stats),
                           time.perf_counter() - start)
+
+
+def _write_lm_head(ckpt: Checkpoint, lm_head: LmHead, dtype: torch.dtype | None, writer: ShardWriter) -> TensorStat:
+    """The output projection (the embedding's copy when tied), quantized RTN or cast to bf16."""
+    source = "lm_head.weight" if ckpt.has("lm_head.weight") else "model.embed_tokens.weight"
+    original = ckpt.get(source)
+    weight = original.to(dtype) if dtype is not None else original
+    scheme = LM_HEAD_SCHEMES.get(lm_head)
+    if scheme is None:
+        stored = weight.to(torch.bfloat16)
+        writer.add("lm_head.weight", stored)
+        return _stat("lm_head.weight", original, _nbytes(stored), False, None)
+    return _quantize_one("lm_head.weight", original, weight, scheme, RTN(), writer)
 
 
 def _check_kv_scales(ckpt: Checkpoint, kv_cache_scheme: dict | None, extras: dict[str, torch.Tensor]) -> None:

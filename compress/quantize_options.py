@@ -40,6 +40,7 @@ class QuantizeOptions:
     tune_scales_steps: int | None = None
     smooth: float | None = None  # SmoothQuant's alpha; None: no smoothing
     kv_cache_fp8: bool = False
+    lm_head: str | None = None  # "int8" | "int4" | "bf16": the output projection's own storage
     force: bool = False
     progress: bool = True
 
@@ -55,7 +56,7 @@ class QuantizeOptions:
         return [f for f, v in (("--group-size", self.group_size), ("--symmetric/--asymmetric", self.symmetric),
                                ("--ignore", self.ignore), ("--method gptq", self.method == "gptq" or None),
                                ("--tune-scales-steps", self.tune_scales_steps), ("--smooth", self.smooth),
-                               ("--kv-cache-fp8", self.kv_cache_fp8 or None))
+                               ("--kv-cache-fp8", self.kv_cache_fp8 or None), ("--lm-head", self.lm_head))
                 if v is not None] + self.gptq_flags + self.calibration_flags
 
     @property

@@ -82,6 +82,8 @@ def plan_quantization(options: QuantizeOptions) -> QuantizePlan:
     source = resolve_model(options.model)
     checkpoint = open_source(source)  # a damaged source is refused before calibration or any output
     ignore = tuple(dict.fromkeys(DEFAULT_IGNORE if options.ignore is None else options.ignore))
+    if options.lm_head is not None and "lm_head" not in ignore:
+        raise KvslimError("--lm-head gives lm_head its own scheme; do not also target it (keep lm_head in --ignore)")
     out = Path(options.output).expanduser().resolve()
     check_output_dir(out, options.force)
     linears = tuple(plan_linears(checkpoint, scheme, ignore))
@@ -138,7 +140,7 @@ def run_plan(plan: QuantizePlan) -> PlanResult:
 
     result = quantize_checkpoint(source, plan.out, plan.scheme, ignore=plan.ignore, quantizer=quantizer,
                                  force=options.force, progress=options.progress, kv_cache_scheme=kv_cache_scheme,
-                                 dtype=plan.dtype, finish=finish, linears=plan.linears)
+                                 dtype=plan.dtype, finish=finish, linears=plan.linears, lm_head=options.lm_head)
     return PlanResult(result, smoothing, plan.describe_calibration(), tunings[0] if tunings else "")
 
 

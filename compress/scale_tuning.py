@@ -103,8 +103,8 @@ def tune_scales(
     quant = QuantSpec.of_model_config(ckpt.config)
     if quant is None:
         raise KvslimError(f"{ckpt.path} is not quantized; scale tuning needs a quantized checkpoint")
-    scheme = quant.single_scheme
-    check_tunable(scheme)
+    for group in quant.groups:
+        check_tunable(group.scheme)
     check_ids_in_vocab(ids, ckpt.config, source)
     teacher = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     student = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
@@ -114,6 +114,9 @@ def tune_scales(
     factors: dict[str, _ScaleFactor] = {}
     scales: dict[str, torch.Tensor] = {}
     for module in _quantized_modules(ckpt):
+        if module == "lm_head":  # its own --lm-head scheme, round-to-nearest (a tied source shares it with the embedding)
+            continue
+        scheme = quant.scheme_for(module)
         if module not in submodules or not isinstance(submodules[module], nn.Linear):
             raise KvslimError(f"{ckpt.path}: quantized tensor {module}.{_SCALE} has no Linear in {source}")
         tensors = {key: ckpt.get(f"{module}.{key}") for key in _STORED if ckpt.has(f"{module}.{key}")}

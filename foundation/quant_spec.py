@@ -36,20 +36,32 @@ class QuantSpec:
     kv_cache_scheme: tuple[tuple[str, Any], ...] | None = None
 
     @staticmethod
-    def _matches(pattern: str, name: str) -> bool:
+    def _specificity(pattern: str, name: str) -> int | None:
+        """How specifically ``pattern`` names the Linear ``name`` (compressed-tensors' order: 0 a
+        name, 1 a regex, 2 the class ``Linear``), or None when it does not match."""
         if pattern.startswith("re:"):
-            return re.match(pattern[3:], name) is not None
-        return pattern == "Linear" or name == pattern or name.endswith("." + pattern)
+            return 1 if re.match(pattern[3:], name) is not None else None
+        if name == pattern or name.endswith("." + pattern):
+            return 0
+        return 2 if pattern == "Linear" else None
+
+    @classmethod
+    def _matches(cls, pattern: str, name: str) -> bool:
+        return cls._specificity(pattern, name) is not None
 
     def scheme_for(self, linear_name: str) -> QuantScheme | None:
         """The scheme of the Linear ``linear_name`` (e.g. ``model.layers.0.mlp.up_proj``), or
-        ``None`` when it is ignored or not targeted (kept in floating point)."""
+        ``None`` when it is ignored or not targeted (kept in floating point). Where several groups
+        target it, the most specific target wins (a name over a regex over ``Linear``), then the
+        first group, as compressed-tensors decides."""
         if any(self._matches(p, linear_name) for p in self.ignore):
             return None
+        best: tuple[int, QuantScheme] | None = None
         for group in self.groups:
-            if any(self._matches(t, linear_name) for t in group.targets):
-                return group.scheme
-        return None
+            ranks = [r for t in group.targets if (r := self._specificity(t, linear_name)) is not None]
+            if ranks and (best is None or min(ranks) < best[0]):
+                best = (min(ranks), group.scheme)
+        return best[1] if best else None
 
     @property
     def schemes(self) -> tuple[QuantScheme, ...]:
@@ -61,6 +73,11 @@ class QuantSpec:
         if len(self.groups) != 1:
             raise KvslimError(f"expected one quantization config group, found {len(self.groups)}")
         return self.groups[0]
+
+    @property
+    def main_group(self) -> QuantGroup:
+        """The group targeting the class ``Linear`` (every Linear no other group names), else the first."""
+        return next((g for g in self.groups if "Linear" in g.targets), self.groups[0])
 
     @property
     def single_scheme(self) -> QuantScheme:

@@ -70,6 +70,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         f"(migration strength ALPHA in (0, 1], default {DEFAULT_ALPHA}); calibrates on --calib")
     p.add_argument("--kv-cache-fp8", action="store_true",
                    help="calibrate per-layer FP8 k_scale/v_scale and declare kv_cache_scheme")
+    p.add_argument("--lm-head", choices=("int8", "int4", "bf16"), default=None,
+                   help="store the output projection on its own: INT8 per channel or INT4 group 32 (round-to-nearest, "
+                        "compressed-tensors group naming lm_head) or a bf16 copy; a tied lm_head is untied (a copy "
+                        "of the embedding). Default: kept as the source has it")
     p.add_argument("-o", "--output", required=True, help="output checkpoint directory")
     p.add_argument("--force", action="store_true", help="overwrite an existing output directory")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -129,6 +133,6 @@ def options_from_args(args: argparse.Namespace) -> QuantizeOptions:
         symmetric=args.symmetric, ignore=tuple(args.ignore) if args.ignore else None, dtype=args.dtype,
         method=args.method, act_order=args.act_order, observer=args.observer, dampening=args.dampening,
         calib=args.calib, num_calib_samples=args.num_calib_samples, calib_seq_len=args.calib_seq_len,
-        tune_scales_steps=args.tune_scales_steps, smooth=args.smooth, kv_cache_fp8=args.kv_cache_fp8,
+        tune_scales_steps=args.tune_scales_steps, smooth=args.smooth, kv_cache_fp8=args.kv_cache_fp8, lm_head=args.lm_head,
         force=args.force, progress=not args.no_progress,
     )

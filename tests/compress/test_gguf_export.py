@@ -151,6 +151,18 @@ def test_embeddings_can_be_q8_0(quantized, tmp_path):
     torch.testing.assert_close(got, embed, atol=embed.abs().max().item() / 127, rtol=0)
 
 
+def test_a_quantized_lm_head_keeps_its_codes(tiny_with_tokenizer, tmp_path):
+    ckpt = quantize_checkpoint(tiny_with_tokenizer, tmp_path / "q", SCHEMES["int4_sym"], progress=False,
+                               dtype=torch.bfloat16, lm_head="int8").out
+    done = export_gguf(ckpt, tmp_path / "m.gguf")
+    head = next(t for t in done.tensors if t.gguf_name == "output.weight")
+    assert (head.ggml_type.name, head.source) == ("Q8_0", "exact")
+    c = Checkpoint.open(ckpt)
+    tensors = {k.removeprefix("lm_head."): c.get(k) for k in c.names() if k.startswith("lm_head.")}
+    ours = dequantize_linear({**tensors, "weight_scale": tensors["weight_scale"].float()}, W8A16)
+    assert torch.equal(_gguf_weights(tmp_path / "m.gguf")["output.weight"][1], ours)
+
+
 def test_fp32_scales_are_rounded_and_reported(tiny_with_tokenizer, tmp_path):
     ckpt = quantize_checkpoint(tiny_with_tokenizer, tmp_path / "fp32", SCHEMES["int4_sym"], progress=False).out
     done = export_gguf(ckpt, tmp_path / "m.gguf")
