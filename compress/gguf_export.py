@@ -42,6 +42,7 @@ _FILE_TYPE = {Q.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0, Q.Q4_1: gguf.LlamaFileType
               Q.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0, Q.BF16: gguf.LlamaFileType.MOSTLY_BF16,
               Q.F16: gguf.LlamaFileType.MOSTLY_F16, Q.F32: gguf.LlamaFileType.ALL_F32}
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_LINEAR_TENSORS = ("weight", "weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
 
 Source = Literal["exact", "float", "gguf-quantized", "requantized"]
 Embeddings = Literal["float", "q8_0"]
@@ -132,16 +133,16 @@ def _linear_plan(ckpt: Checkpoint, module: str, shape: tuple[int, int], gguf_nam
             return TensorPlan(f"{module}.weight", gguf_name, shape, _float_type(ckpt, f"{module}.weight"), "float",
                               heads=heads)
         return TensorPlan(f"{module}.weight", gguf_name, shape, _QUANT_TYPES[choice], "gguf-quantized", heads=heads)
-    target = exact_type_for(scheme) if choice == "auto" else choice
-    reason = exact_type_reason(scheme, target) if target else f"no GGML block holds {scheme.name} codes exactly"
+    target = (exact_type_for(scheme) or "q8_0") if choice == "auto" else choice
+    reason = exact_type_reason(scheme, target)
     if reason is None and ckpt.has(f"{module}.weight_g_idx"):
         reason = "act-order groups (weight_g_idx) are not contiguous column blocks"
     if reason is None:
         return TensorPlan(module, gguf_name, shape, _QUANT_TYPES[target], "exact", scheme, heads)
     if not requantize:
-        raise KvslimError(f"{module}: {target or choice} cannot hold {scheme.name} exactly ({reason}); "
+        raise KvslimError(f"{module}: {target} cannot hold {scheme.name} exactly ({reason}); "
                           "pass --requantize to let gguf re-quantize it (round-to-nearest)")
-    return TensorPlan(module, gguf_name, shape, _QUANT_TYPES[target or "q8_0"], "requantized", scheme, heads)
+    return TensorPlan(module, gguf_name, shape, _QUANT_TYPES[target], "requantized", scheme, heads)
 
 
 def plan_tensors(ckpt: Checkpoint, choice: GgufChoice, requantize: bool, embeddings: Embeddings = "float"
@@ -199,8 +200,9 @@ class _Changes:
 
 def _encode(ckpt: Checkpoint, plan: TensorPlan, changes: _Changes) -> np.ndarray:
     """The plan's tensor as GGML bytes (uint8)."""
+    if plan.source in ("exact", "requantized"):
+        tensors = {k: ckpt.get(f"{plan.name}.{k}") for k in _LINEAR_TENSORS if ckpt.has(f"{plan.name}.{k}")}
     if plan.source == "exact":
-        tensors = {n.rsplit(".", 1)[-1]: ckpt.get(n) for n in ckpt.names() if n.startswith(plan.name + ".")}
         q, scale, zp, _ = decode_linear(tensors, plan.scheme)
         if plan.heads:
             q, scale = llama_row_order(q, plan.heads), llama_row_order(scale, plan.heads)
@@ -210,7 +212,6 @@ def _encode(ckpt: Checkpoint, plan: TensorPlan, changes: _Changes) -> np.ndarray
         changes.offset = max(changes.offset, enc.max_offset_rel_change)
         return enc.data
     if plan.source == "requantized":
-        tensors = {n.rsplit(".", 1)[-1]: ckpt.get(n) for n in ckpt.names() if n.startswith(plan.name + ".")}
         weight = dequantize_linear(tensors, plan.scheme)
     else:
         weight = ckpt.get(plan.name)

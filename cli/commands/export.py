@@ -5,7 +5,8 @@ import argparse
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="checkpoint directory (Llama architecture; quantized by `compress quantize` or not)")
+    p.add_argument("checkpoint", help="checkpoint directory (Llama architecture; quantized by `compress quantize` or "
+                                      "not), or a known name (smollm2)")
     p.add_argument("--gguf", nargs="?", const="auto", required=True, choices=("auto", "q8_0", "q4_1", "q4_0"),
                    help="GGML type of the Linears (default auto: the type that holds the checkpoint's codes exactly; "
                         "an unquantized checkpoint keeps its float dtype)")
@@ -22,8 +23,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from compress.gguf_export import export_gguf
+    from foundation.model_source import resolve_model
 
-    done = export_gguf(args.checkpoint, args.output, args.gguf, args.requantize, args.tokenizer_pre, args.force,
+    done = export_gguf(resolve_model(args.checkpoint), args.output, args.gguf, args.requantize, args.tokenizer_pre, args.force,
                        args.embeddings)
     types = sorted({t.ggml_type.name for t in done.tensors if len(t.shape) == 2 and t.gguf_name.startswith("blk.")})
     linears = [t for t in done.tensors if t.gguf_name.startswith("blk.") and len(t.shape) == 2]
