@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from attention_variants.local_reconstruction import local_loss
 from attention_variants.modeling_files import write_modeling_file
 from foundation.architecture import ATTENTION_PROJECTIONS
 from foundation.atomic import atomic_output_dir, check_output_dir
@@ -57,6 +58,9 @@ class HealSpec:
     optim: Optim = "adamw"
     warmup_steps: int = 5
     hidden_weight: float = 0.0  # weight of hidden_state_loss added to the KL (0: logits only)
+    # The first ``local_steps`` steps fit each rewritten attention to the teacher's on the teacher's
+    # inputs (attention_variants.local_reconstruction), the rest distil end to end.
+    local_steps: int = 0
     lora_rank: int = 16
     save_every: int = 25
     seed: int = 0
@@ -77,6 +81,10 @@ class HealSpec:
             raise KvslimError(f"--lr {self.lr}: must be a positive number")
         if self.hidden_weight < 0:
             raise KvslimError(f"--hidden-weight {self.hidden_weight}: must be >= 0")
+        if self.local_steps < 0 or (self.steps is not None and self.local_steps > self.steps):
+            raise KvslimError(f"--local-steps {self.local_steps}: must be between 0 and --steps")
+        if self.local_steps and self.train == "all":
+            raise KvslimError("--local-steps fits the rewritten attention layers; it does not combine with --train all")
         if self.optim not in OPTIMIZERS:
             raise KvslimError(f"--optim {self.optim}: expected one of {', '.join(OPTIMIZERS)}")
         if self.optim == "adamw8bit" and find_spec("bitsandbytes") is None:
@@ -110,6 +118,8 @@ class HealResult:
     wall_seconds: float  # of this invocation (a resumed run's earlier part not included)
     lr: float  # the peak learning rate used
     optimizer_bytes: int = 0  # the optimizer's state at the end (moments and their scales)
+    local_first_loss: float = float("nan")  # the layer-local stage's loss (relative attention-output error)
+    local_last_loss: float = float("nan")
 
 
 def _state_dir(out: Path) -> Path:
@@ -256,16 +266,22 @@ def heal(
     completed = start
     wall = 0.0
     hidden = spec.hidden_weight > 0  # match hidden states too
+    local_layers = rewritten_layers(student_ckpt.config, teacher_ckpt.config)
+    local_losses: list[float] = []
     try:
         for step in bar:
             t0, c0 = time.perf_counter(), _cpu_time()
             batch = batches[step % available].to(device)
-            with torch.no_grad():
-                target = teacher(input_ids=batch, use_cache=False, output_hidden_states=hidden)
-            pred = model(input_ids=batch, use_cache=False, output_hidden_states=hidden)
-            loss = distill_loss(pred.logits, target.logits)
-            if hidden:
-                loss = loss + spec.hidden_weight * hidden_state_loss(pred.hidden_states, target.hidden_states)
+            local = step < spec.local_steps
+            if local:
+                loss = local_loss(model, teacher, batch, local_layers)
+            else:
+                with torch.no_grad():
+                    target = teacher(input_ids=batch, use_cache=False, output_hidden_states=hidden)
+                pred = model(input_ids=batch, use_cache=False, output_hidden_states=hidden)
+                loss = distill_loss(pred.logits, target.logits)
+                if hidden:
+                    loss = loss + spec.hidden_weight * hidden_state_loss(pred.hidden_states, target.hidden_states)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_([p for _, p in params], 1.0)
@@ -274,10 +290,14 @@ def heal(
             optimizer.step()
             wall += time.perf_counter() - t0
             seconds += time.perf_counter() - t0 if spec.clock == "wall" else _cpu_time() - c0
-            last_loss = float(loss.detach())
-            first_loss = last_loss if math.isnan(first_loss) else first_loss
-            losses.append(last_loss)
-            bar.set_postfix(loss=f"{last_loss:.4f}")
+            value = float(loss.detach())
+            if local:
+                local_losses.append(value)
+            else:
+                last_loss = value
+                first_loss = last_loss if math.isnan(first_loss) else first_loss
+            losses.append(value)
+            bar.set_postfix(loss=f"{value:.4f}", stage="local" if local else "kl")
             completed = step + 1
             if completed % spec.save_every == 0:
                 _save_state(state_dir, spec, params, optimizer, completed, seconds, first_loss, losses)
@@ -295,8 +315,9 @@ def heal(
     model.eval()
     _write_student(model, student_ckpt, spec, out, force)
     shutil.rmtree(state_dir, ignore_errors=True)
+    local_first, local_last = (local_losses[0], local_losses[-1]) if local_losses else (float("nan"), float("nan"))
     return HealResult(Path(out), completed, completed * chunk, seconds, first_loss, last_loss, start, data_name, wall, spec.lr,
-                      optimizer_state_bytes(optimizer))
+                      optimizer_state_bytes(optimizer), local_first, local_last)
 
 
 def _cpu_time() -> float:

@@ -23,6 +23,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optim", choices=("adamw", "adamw8bit"), default="adamw",
                    help="adamw: torch's (8 bytes of state per trained parameter); adamw8bit: bitsandbytes' 8-bit "
                         "AdamW (2 bytes), for healing larger models in less memory")
+    p.add_argument("--local-steps", type=int, default=0, metavar="N",
+                   help="first N steps: fit each rewritten attention to the teacher's on the teacher's inputs "
+                        "(layer-local reconstruction: no lm_head, no MLP backward), then distil end to end")
     p.add_argument("--hidden-weight", type=float, default=0.0, metavar="W",
                    help="add W x hidden-state matching (every layer's output, relative error per token) to the KL")
     p.add_argument("--eval-tokens", type=int, default=2048,
@@ -35,7 +38,7 @@ def spec_from_args(args: argparse.Namespace):
 
     return HealSpec(steps=args.steps, minutes=args.minutes, data=args.data, train=args.train, device=args.device,
                     seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, optim=args.optim,
-                    hidden_weight=args.hidden_weight)
+                    hidden_weight=args.hidden_weight, local_steps=args.local_steps)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,6 +56,9 @@ def run(args: argparse.Namespace) -> int:
           f"{result.optimizer_bytes / 2**20:.1f} MiB"
           + (f" (resumed at step {result.resumed_from})" if result.resumed_from else ""))
     what = "KL, nats/token" + (f" + {args.hidden_weight:g} x hidden-state error" if args.hidden_weight else "")
+    if args.local_steps:
+        print(f"  layer-local loss (attention-output error, relative): {result.local_first_loss:.4f} -> "
+              f"{result.local_last_loss:.4f}")
     print(f"  distillation loss ({what}): {result.first_loss:.4f} -> {result.last_loss:.4f}")
     if args.eval_tokens > 0:
         print(f"  before: {eval_perplexity(resolve_model(args.converted), args.eval_tokens).describe()}")

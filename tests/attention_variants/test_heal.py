@@ -198,6 +198,8 @@ def test_bad_input(pair, tiny_llama, heal_text, tmp_path, capsys):
     (dict(steps=1, batch_size=0), "--batch-size at least 1"),
     (dict(steps=1, train="some"), "--train some"),
     (dict(steps=1, optim="sgd"), "--optim sgd"),
+    (dict(steps=2, local_steps=3), "--local-steps 3"),
+    (dict(steps=2, local_steps=1, train="all"), "does not combine with --train all"),
 ])
 def test_spec_is_checked_before_any_checkpoint_is_read(settings, message, tmp_path):
     with pytest.raises(KvslimError, match=message):
