@@ -46,6 +46,7 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default: heal's, per rewrite)")
     parser.add_argument("--hidden-weight", type=float, default=0.0, help="hidden-state matching weight (0: KL only)")
     parser.add_argument("--train", default="attn", choices=("attn", "all", "lora"))
+    parser.add_argument("--local-steps", type=int, default=0, help="layer-local reconstruction steps first (heal's --local-steps)")
     parser.add_argument("--tag", default="", help="appended to each curve's label (e.g. the budget, to keep two apart)")
     parser.add_argument("--out", default="benchmarks/results/heal_curve.json")
     parser.add_argument("--merge", action="store_true", help="keep the other rewrites' curves already in --out")
@@ -109,7 +110,7 @@ def main() -> int:
 
             t = time.time()
             spec = HealSpec(minutes=args.minutes, clock=args.clock, device=args.device, batch_size=args.batch_size,
-                            lr=args.lr, hidden_weight=args.hidden_weight, train=args.train)
+                            lr=args.lr, hidden_weight=args.hidden_weight, train=args.train, local_steps=args.local_steps)
             result = heal(converted, source, spec, healed_dir(args.keep, tmp, label), on_step=on_step, force=True)
             if points[-1]["tokens"] < result.tokens:  # the budget ran out between marks
                 points.append(dict(minutes=round(result.train_seconds / 60, 2), wall_minutes=round(result.wall_seconds / 60, 2),
