@@ -76,3 +76,15 @@ def test_cli_writes_and_refuses(tiny_llama, bnb_checkpoints, tmp_path, capsys):
     rc, _, err = run_cli(capsys, "generate", str(bnb_checkpoints["nf4"].out), "hello")
     assert_one_line_error(rc, err, "a bitsandbytes checkpoint loads in transformers")
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_eval_hf_backend_loads_them(tiny_with_tokenizer, tmp_path):
+    import bitsandbytes as bnb
+
+    from eval.lm_eval_runner import load_hf
+
+    done = quantize_bnb(tiny_with_tokenizer, tmp_path / "nf4", "nf4")
+    model = load_hf(done.out, batch_size=1)
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.lm.model.modules())
+    logits = model.logits_fn(torch.tensor([[1, 2, 3, 4]]))
+    assert logits.shape == (1, 4, 49152) and torch.isfinite(logits).all()
