@@ -26,12 +26,13 @@ from tqdm import tqdm
 
 from attention_variants.local_reconstruction import local_loss
 from attention_variants.modeling_files import write_modeling_file
+from attention_variants.self_data import SELF_DATA, teacher_continuations
 from foundation.architecture import ATTENTION_PROJECTIONS
 from foundation.atomic import atomic_output_dir, check_output_dir
 from foundation.attention_layout import AttentionLayout
 from foundation.checkpoint import Checkpoint, ShardWriter, write_config
 from foundation.errors import KvslimError
-from foundation.texts import DEFAULT_HEAL, RANGES, load_text
+from foundation.texts import DEFAULT_CALIB, DEFAULT_HEAL, RANGES, load_text
 
 TrainMode = Literal["attn", "all", "lora"]
 Clock = Literal["wall", "cpu"]
@@ -47,7 +48,8 @@ class HealSpec:
     # "wall": elapsed time; "cpu": process CPU time / torch threads, which other processes on the
     # cores do not inflate (on idle cores the wall time is ~1.3x that: parts of a step are serial).
     clock: Clock = "wall"
-    data: str | None = None  # named range (default wikipedia:heal) or a text file
+    data: str | None = None  # named range (default wikipedia:heal), a text file, or "self" (the teacher writes it)
+    self_sequences: int = 256  # --data self with a --minutes budget: sequences written, then reused in turn
     train: TrainMode = "attn"
     device: str = "cpu"
     seq_len: int = 256
@@ -81,6 +83,8 @@ class HealSpec:
             raise KvslimError(f"--lr {self.lr}: must be a positive number")
         if self.hidden_weight < 0:
             raise KvslimError(f"--hidden-weight {self.hidden_weight}: must be >= 0")
+        if self.data == SELF_DATA and self.self_sequences < self.batch_size:
+            raise KvslimError(f"--data self: {self.self_sequences} sequences do not fill one batch of {self.batch_size}")
         if self.local_steps < 0 or (self.steps is not None and self.local_steps > self.steps):
             raise KvslimError(f"--local-steps {self.local_steps}: must be between 0 and --steps")
         if self.local_steps and self.train == "all":
@@ -236,7 +240,14 @@ def heal(
     check_pair(student_ckpt, teacher_ckpt)
     check_output_dir(Path(out), force)
     tokenizer = AutoTokenizer.from_pretrained(student_ckpt.path)
-    data_name, ids = heal_tokens(tokenizer, spec.data)
+    device = torch.device(spec.device)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_ckpt.path, dtype=torch.float32).to(device).eval()
+    if spec.data == SELF_DATA:
+        count = spec.steps * spec.batch_size if spec.steps else spec.self_sequences
+        data_name = f"self (the teacher's continuations of {DEFAULT_CALIB} prompts)"
+        ids = teacher_continuations(teacher, tokenizer, count, spec.seq_len, spec.seed)
+    else:
+        data_name, ids = heal_tokens(tokenizer, spec.data)
     chunk = spec.seq_len * spec.batch_size
     available = len(ids) // chunk
     if spec.steps is not None and spec.steps > available:
@@ -247,8 +258,6 @@ def heal(
     order = torch.randperm(available, generator=torch.Generator().manual_seed(spec.seed))
     batches = torch.tensor(ids[: available * chunk]).view(available, spec.batch_size, spec.seq_len)[order]
 
-    device = torch.device(spec.device)
-    teacher = AutoModelForCausalLM.from_pretrained(teacher_ckpt.path, dtype=torch.float32).to(device).eval()
     student = load_for_eval(student_ckpt.path).to(device)
     names = trainable_names(student, student_ckpt.config, teacher_ckpt.config, spec.train)
     model, params = _prepare(student, names, spec)

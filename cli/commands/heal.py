@@ -11,7 +11,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     budget = p.add_mutually_exclusive_group(required=True)
     budget.add_argument("--steps", type=int, metavar="S", help="optimizer steps")
     budget.add_argument("--minutes", type=float, metavar="M", help="training time budget in minutes")
-    p.add_argument("--data", metavar="TEXT_OR_FILE", help="training text: wikipedia:heal (default) or a file")
+    p.add_argument("--data", metavar="TEXT_OR_FILE",
+                   help="training text: wikipedia:heal (default), a UTF-8 file, or self (the teacher's sampled "
+                        "continuations of calibration prompts, seeded: the same text on every run)")
     p.add_argument("--train", choices=("attn", "all", "lora"), default="attn",
                    help="attn: attention projections of the rewritten layers (default); all; lora: adapters on those")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
