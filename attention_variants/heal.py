@@ -10,6 +10,7 @@ next to the output every ``save_every`` steps and on interrupt; rerunning the sa
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -241,8 +242,13 @@ def heal(
     check_output_dir(Path(out), force)
     tokenizer = AutoTokenizer.from_pretrained(student_ckpt.path)
     device = torch.device(spec.device)
-    teacher = AutoModelForCausalLM.from_pretrained(teacher_ckpt.path, dtype=torch.float32).to(device).eval()
+
+    def load_teacher():
+        return AutoModelForCausalLM.from_pretrained(teacher_ckpt.path, dtype=torch.float32).to(device).eval()
+
+    teacher = None
     if spec.data == SELF_DATA:
+        teacher = load_teacher()
         count = spec.steps * spec.batch_size if spec.steps else spec.self_sequences
         data_name = f"self (the teacher's continuations of {DEFAULT_CALIB} prompts)"
         ids = teacher_continuations(teacher, tokenizer, count, spec.seq_len, spec.seed)
@@ -258,6 +264,7 @@ def heal(
     order = torch.randperm(available, generator=torch.Generator().manual_seed(spec.seed))
     batches = torch.tensor(ids[: available * chunk]).view(available, spec.batch_size, spec.seq_len)[order]
 
+    teacher = teacher or load_teacher()  # after the data checks: a bad --data fails before any model loads
     student = load_for_eval(student_ckpt.path).to(device)
     names = trainable_names(student, student_ckpt.config, teacher_ckpt.config, spec.train)
     model, params = _prepare(student, names, spec)
@@ -276,21 +283,25 @@ def heal(
     wall = 0.0
     hidden = spec.hidden_weight > 0  # match hidden states too
     local_layers = rewritten_layers(student_ckpt.config, teacher_ckpt.config)
+    # On a GPU the forwards run in bf16 autocast (weights and optimizer state stay fp32; the losses
+    # are computed in fp32 by distill_loss / relative_error); the CPU keeps fp32 throughout.
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     local_losses: list[float] = []
     try:
         for step in bar:
             t0, c0 = time.perf_counter(), _cpu_time()
             batch = batches[step % available].to(device)
             local = step < spec.local_steps
-            if local:
-                loss = local_loss(model, teacher, batch, local_layers)
-            else:
-                with torch.no_grad():
-                    target = teacher(input_ids=batch, use_cache=False, output_hidden_states=hidden)
-                pred = model(input_ids=batch, use_cache=False, output_hidden_states=hidden)
-                loss = distill_loss(pred.logits, target.logits)
-                if hidden:
-                    loss = loss + spec.hidden_weight * hidden_state_loss(pred.hidden_states, target.hidden_states)
+            with autocast:
+                if local:
+                    loss = local_loss(model, teacher, batch, local_layers)
+                else:
+                    with torch.no_grad():
+                        target = teacher(input_ids=batch, use_cache=False, output_hidden_states=hidden)
+                    pred = model(input_ids=batch, use_cache=False, output_hidden_states=hidden)
+                    loss = distill_loss(pred.logits, target.logits)
+                    if hidden:
+                        loss = loss + spec.hidden_weight * hidden_state_loss(pred.hidden_states, target.hidden_states)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_([p for _, p in params], 1.0)
