@@ -74,11 +74,13 @@ def run_engine(model_dir: Path, dtype: str, prompts: list[list[int]], new_tokens
 
 
 def checkpoint_label(path: Path) -> str:
-    """The weight scheme a checkpoint declares (e.g. ``W8A8``), or ``dense``."""
+    """The weight scheme a checkpoint declares (e.g. ``W8A8``), or ``dense``; a quantized lm_head's
+    group is named too (``W4A16 + lm_head W8A16``)."""
     from compress.inspection import inspect_checkpoint
 
-    scheme = inspect_checkpoint(path).scheme
-    return "dense" if scheme is None else scheme.name
+    found = inspect_checkpoint(path)
+    label = "dense" if found.scheme is None else found.scheme.name
+    return " + ".join([label, *(g.split(" (")[0].replace(":", "") for g in found.other_groups)])
 
 
 def quantize_w8a8(model_dir: Path, root: Path) -> Path:
