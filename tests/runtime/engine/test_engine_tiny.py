@@ -82,12 +82,16 @@ W8A8_LP_TOL = 0.15
 W8A8_TIE = 0.15
 
 
-def test_w8a8_model_matches_core(tiny_llama, tmp_path):
+def test_w8a8_model_matches_core(tiny_llama, tmp_path, monkeypatch):
     from compress.quantize import quantize_checkpoint
     from foundation.schemes import W8A8
+    from runtime.model.layers.activation_dtype import CpuFeatures
     from runtime.model.layers.linear import W8A8Linear
 
     path = quantize_checkpoint(tiny_llama, tmp_path / "w8a8", W8A8, progress=False).out
+    # A CPU with VNNI, so the engine runs torch._int_mm (conftest's CPU has none); fp32 activations.
+    vnni = CpuFeatures(avx2=True, avx512=True, vnni=True, avx512_bf16=False, amx=False)
+    monkeypatch.setattr(CpuFeatures, "detect", classmethod(lambda cls: vnni))
     core = LLM(path, max_model_len=128)
     assert any(isinstance(m, W8A8Linear) and m.use_int_mm for m in core.model.modules())
     engine = Engine(core.model, EngineConfig(block_size=4, max_num_batched_tokens=48, max_model_len=128,
