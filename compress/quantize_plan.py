@@ -73,6 +73,7 @@ class PlanResult:
     smoothing: str
     calibration: str
     tuning: str
+    tied_lm_head: bool = False  # the source tied its lm_head to the embedding
 
 
 def plan_quantization(options: QuantizeOptions) -> QuantizePlan:
@@ -141,7 +142,8 @@ def run_plan(plan: QuantizePlan) -> PlanResult:
     result = quantize_checkpoint(source, plan.out, plan.scheme, ignore=plan.ignore, quantizer=quantizer,
                                  force=options.force, progress=options.progress, kv_cache_scheme=kv_cache_scheme,
                                  dtype=plan.dtype, finish=finish, linears=plan.linears, lm_head=options.lm_head)
-    return PlanResult(result, smoothing, plan.describe_calibration(), tunings[0] if tunings else "")
+    return PlanResult(result, smoothing, plan.describe_calibration(), tunings[0] if tunings else "",
+                      bool(plan.checkpoint.config.get("tie_word_embeddings", False)))
 
 
 def _smoothing(options: QuantizeOptions, scheme: QuantScheme) -> SmoothingSpec | None:

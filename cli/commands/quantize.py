@@ -104,6 +104,11 @@ def run(args: argparse.Namespace) -> int:
     for note in (done.smoothing, done.calibration, loading_note(result.scheme), done.tuning):
         if note:
             print(note)
+    if args.lm_head:
+        tied = done.tied_lm_head
+        print(f"lm_head: {args.lm_head}" + (" as its own group" if args.lm_head != "bf16" else " copy")
+              + ("; the source ties it to the embedding, so the output carries an untied copy "
+                 "(tie_word_embeddings false)" if tied else ""))
     print(f"wrote {result.out} in {result.seconds:.1f} s")
     return 0
 

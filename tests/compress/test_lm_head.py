@@ -67,6 +67,7 @@ def test_cli_flag_and_refusals(tied, tmp_path, capsys):
     out = tmp_path / "cli"
     rc, stdout, _ = run_cli(capsys, "quantize", str(tied), "--int4", "--lm-head", "int8", "-o", str(out), "--no-progress")
     assert rc == 0 and json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    assert "lm_head: int8 as its own group; the source ties it to the embedding, so the output carries an untied copy" in stdout
     rc, stdout, _ = run_cli(capsys, "inspect", str(out))
     assert rc == 0 and "lm_head: W8A16" in stdout
     rc, _, err = run_cli(capsys, "quantize", str(tied), "--int4", "--lm-head", "int8", "--ignore",
