@@ -1,7 +1,7 @@
 """A checkpoint's declared compressed-tensors quantization: the one reader of ``quantization_config``.
 
 ``QuantSpec.of_model_config`` answers, for every caller, which scheme each Linear is stored in
-(``scheme_for``), the checkpoint's single scheme (``single_scheme``, for inspect and tuning) and the
+(``scheme_for``), the group every other Linear falls in (``main_group``, for inspect) and the
 KV-cache dtype it declares (``kv_dtype``). It only parses (any scheme ``foundation.schemes`` can
 describe); what the runtime can serve is checked by the runtime before it asks for one.
 """
@@ -68,20 +68,9 @@ class QuantSpec:
         return tuple(g.scheme for g in self.groups)
 
     @property
-    def single_group(self) -> QuantGroup:
-        """The one config group (``compress quantize`` writes one); refuse several or none."""
-        if len(self.groups) != 1:
-            raise KvslimError(f"expected one quantization config group, found {len(self.groups)}")
-        return self.groups[0]
-
-    @property
     def main_group(self) -> QuantGroup:
         """The group targeting the class ``Linear`` (every Linear no other group names), else the first."""
         return next((g for g in self.groups if "Linear" in g.targets), self.groups[0])
-
-    @property
-    def single_scheme(self) -> QuantScheme:
-        return self.single_group.scheme
 
     @property
     def kv_scheme(self) -> dict | None:
