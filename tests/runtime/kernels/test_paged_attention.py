@@ -111,6 +111,7 @@ def test_gpu_paged_attention_real_sizes(kv_dtype, scales, H, KVH, D, window):
     ref = pa.reference_paged_attention(*b.args(), **kw).float()
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
     decode = make_paged_batch([4000] * 4, [1] * 4, H, KVH, D, kv_dtype, scales, block_size=16, q_dtype=torch.bfloat16, device="cuda")
+    kw.update(k_scale=decode.k_scale, v_scale=decode.v_scale)
     out = pa.paged_attention(*decode.args(), **kw).float()  # exercises the split-context path
     ref = pa.reference_paged_attention(*decode.args(), **kw).float()
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
