@@ -35,7 +35,7 @@ bench: install
 ## on the GPU, each writing JSON under benchmarks/results/.
 bench-gpu:
 	TRITON_INTERPRET= $(PYTHON) -m pytest -q -p no:cacheprovider -m gpu tests/runtime/kernels
-	$(PYTHON) benchmarks/kernels_roofline.py --model smollm2 --out benchmarks/results/kernels_roofline.json
+	$(PYTHON) benchmarks/kernels_roofline.py --out benchmarks/results/kernels_roofline.json
 	$(PYTHON) benchmarks/paged_attention_bench.py --out benchmarks/results/paged_attention.json
 	$(PYTHON) -m cli quantize smollm2 --int4 --method rtn -o runs/smollm2-w4a16 --force
 	$(PYTHON) benchmarks/gpu_engine.py --checkpoints runs/smollm2-w4a16 --json benchmarks/results/gpu_engine.json

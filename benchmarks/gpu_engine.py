@@ -106,11 +106,12 @@ def greedy_agreement(engine, model, prompts: list[list[int]], tokens: int) -> di
                              do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
         theirs = out.sequences[0, len(p):].tolist()
         same = next((i for i, (a, b) in enumerate(zip(o.token_ids, theirs)) if a != b), tokens)
-        tie = True
+        tie, gap = True, None
         if same < tokens:
             top = out.scores[same][0].float().topk(2).values
-            tie = float(top[0] - top[1]) < NEAR_TIE
-        rows.append({"agree": same, "of": tokens, "parted_at_near_tie": tie})
+            gap = float(top[0] - top[1])
+            tie = gap < NEAR_TIE
+        rows.append({"agree": same, "of": tokens, "parted_at_near_tie": tie, "hf_top2_gap": gap})
     return {"prompts": rows, "ok": all(r["parted_at_near_tie"] for r in rows)}
 
 
@@ -151,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         if ckpt == str(base):
             agreement = greedy_agreement(engine, hf, prompts[:4], args.agree_tokens)
             print(f"greedy agreement vs HF: {[r['agree'] for r in agreement['prompts']]} of {args.agree_tokens} "
-                  f"({'ok' if agreement['ok'] else 'DIFFERS outside near-ties'})", flush=True)
+                  f"({'ok' if agreement['ok'] else 'DIFFERS outside near-ties'}; HF's top-2 logit gap where they part: "
+                  f"{[r['hf_top2_gap'] and round(r['hf_top2_gap'], 3) for r in agreement['prompts']]})", flush=True)
         rows[name] = {}
         for c in args.concurrency:
             rows[name][c] = engine_decode(engine, prompts[:c], args.new_tokens)
