@@ -92,7 +92,7 @@ class ConvertSpec:
 
     @property
     def needs_attention_inputs(self) -> bool:
-        fitted = self.merge == "calib" and (self.kv_heads is not None or self.kv_share is not None)
+        fitted = (self.kv_heads is not None and self.merge != "mean") or (self.kv_share is not None and self.merge == "calib")
         return fitted or self.kv_share_select == "calib" or self.global_select == "calib"
 
     @property

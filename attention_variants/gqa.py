@@ -1,8 +1,10 @@
 """GQA / MQA: merge each group of KV heads into one.
 
-Two merges:
+Three merges:
 
 - ``mean``: mean-pool the group's k_proj / v_proj rows (Ainslie et al., 2023).
+- ``aligned``: group the heads by similarity and align them (``head_alignment``: orthogonal
+  Procrustes for V, a phase per rotary pair for K, both exact), then mean-pool: align-then-merge.
 - ``calib``: fitted on captured attention inputs.
   V: the group's values ``Y = [W_v,g x]_g`` are approximated by ``A_g V'`` with a shared head
   ``V' = W' x``: a reduced-rank regression solved by the top ``head_dim`` eigenvectors of the
@@ -13,6 +15,7 @@ Two merges:
   complex scalar ``b_g`` (the only maps that commute with rotary), a rank-1 fit weighted by the
   reading queries' energy on that pair; ``conj(b_g)`` is folded into those queries' q_proj rows.
   Models that normalise k per head before rotary (Qwen3's ``k_norm``) keep the mean for K.
+  The fitted maps absorb any rotation of a head, so aligning heads first changes nothing here.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from typing import Literal
 import torch
 
 from attention_variants.attention_inputs import AttentionInputs
+from attention_variants.head_alignment import align_kv_heads
 from attention_variants.projections import (
     augmented,
     complex_pairs,
@@ -33,8 +37,8 @@ from attention_variants.projections import (
 )
 from foundation.architecture import KV_PROJECTIONS
 
-MergeMethod = Literal["mean", "calib"]
-MERGE_METHODS = ("mean", "calib")
+MergeMethod = Literal["mean", "aligned", "calib"]
+MERGE_METHODS = ("mean", "aligned", "calib")
 
 
 def merge_kv_heads(
@@ -45,8 +49,12 @@ def merge_kv_heads(
     calib: AttentionInputs | None = None,
 ) -> dict[str, torch.Tensor]:
     """Return new weights with ``num_kv_heads`` KV heads per layer (validated by the caller)."""
+    n_layers = int(config["num_hidden_layers"])
+    if method == "aligned":
+        weights = align_kv_heads(weights, config, num_kv_heads, [calib.flat(layer) for layer in range(n_layers)])
+        method = "mean"
     out = dict(weights)
-    for layer in range(int(config["num_hidden_layers"])):
+    for layer in range(n_layers):
         if method == "mean":
             _mean_merge(out, config, layer, num_kv_heads)
         else:

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, w
 
 CONFIGS = {
     "MQA": dict(kv_heads=1),
+    "MQA aligned": dict(kv_heads=1, merge="aligned"),
     "kv-share 2": dict(kv_share=2),
     "MQA + kv-share 2": dict(kv_heads=1, kv_share=2),
 }

@@ -31,9 +31,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     heads = p.add_mutually_exclusive_group()
     heads.add_argument("--kv-heads", type=int, metavar="N", help="merge KV heads down to N per layer (GQA)")
     heads.add_argument("--mqa", action="store_true", help="one KV head per layer (same as --kv-heads 1)")
-    p.add_argument("--merge", choices=("calib", "mean"), default="calib",
+    p.add_argument("--merge", choices=("calib", "aligned", "mean"), default="calib",
                    help="calib: merges/refits fitted on calibration text, folded into q_proj/o_proj (default); "
-                        "mean: mean-pool KV heads, KV-sharing readers use the supplier's K/V as is")
+                        "aligned: KV heads grouped by similarity and rotated onto each other on calibration "
+                        "text (exact), then mean-pooled; mean: mean-pool KV heads, KV-sharing readers use "
+                        "the supplier's K/V as is (also with aligned)")
     p.add_argument("--kv-share", type=int, metavar="K", help="share K/V in groups of K consecutive layers")
     p.add_argument("--kv-share-select", choices=("first", "calib"), default="first",
                    help="first: fixed groups read from their first layer; calib: place groups by calibration")
