@@ -124,3 +124,11 @@ def test_sinks_on_trained_windows_print_a_note(tiny_checkpoints, tmp_path, capsy
     assert main(["convert", str(tiny_checkpoints["gemma3_text"]), "--sinks", "2", "--eval-tokens", "0",
                  "-o", str(out)]) == 0
     assert "trained with these sliding windows" in capsys.readouterr().out
+
+
+def test_aligned_merge_calibrates_on_text(tiny_with_tokenizer, tmp_path, capsys):
+    out = tmp_path / "aligned"
+    assert main(["convert", str(tiny_with_tokenizer), "--mqa", "--merge", "aligned", "--eval-tokens", "0", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "MQA (aligned merge)" in text and "wikipedia:calib" in text
+    assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == 1
