@@ -29,6 +29,7 @@ from attention_variants.projections import (
     augmented,
     complex_pairs,
     fold_into_query,
+    head_shape,
     heads,
     input_covariance,
     proj_key,
@@ -62,14 +63,8 @@ def merge_kv_heads(
     return out
 
 
-def _shape(config: dict) -> tuple[int, int, int]:
-    n_heads = int(config["num_attention_heads"])
-    head_dim = int(config.get("head_dim") or config["hidden_size"] // n_heads)
-    return n_heads, int(config["num_key_value_heads"]), head_dim
-
-
 def _mean_merge(w: dict, config: dict, layer: int, new_kv: int) -> None:
-    _, old_kv, head_dim = _shape(config)
+    _, old_kv, head_dim = head_shape(config)
     for proj in KV_PROJECTIONS:
         for param in ("weight", "bias"):
             key = proj_key(layer, proj, param)
@@ -87,7 +82,7 @@ def _psd_sqrt(m: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _calib_merge(w: dict, config: dict, layer: int, new_kv: int, x: torch.Tensor) -> None:
-    n_heads, old_kv, d = _shape(config)
+    n_heads, old_kv, d = head_shape(config)
     m = old_kv // new_kv  # old KV heads per new one
     q_per_kv = n_heads // old_kv
     dtype = w[proj_key(layer, "k_proj")].dtype

@@ -28,6 +28,7 @@ from attention_variants.projections import (
     augmented,
     complex_pairs,
     fold_into_query,
+    head_shape,
     heads,
     input_covariance,
     proj_key,
@@ -60,14 +61,8 @@ def similarity_groups(similarity: torch.Tensor, num_groups: int) -> list[list[in
     return groups
 
 
-def _shape(config: dict) -> tuple[int, int, int]:
-    n_heads = int(config["num_attention_heads"])
-    head_dim = int(config.get("head_dim") or config["hidden_size"] // n_heads)
-    return n_heads, int(config["num_key_value_heads"]), head_dim
-
-
 def _align_layer(w: dict, config: dict, layer: int, new_kv: int, x: torch.Tensor) -> None:
-    n_heads, old_kv, d = _shape(config)
+    n_heads, old_kv, d = head_shape(config)
     q_per_kv = n_heads // old_kv
     align_keys = config.get("model_type") != "qwen3"
     dtype = w[proj_key(layer, "k_proj")].dtype

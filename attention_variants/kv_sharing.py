@@ -19,6 +19,7 @@ from attention_variants.attention_inputs import AttentionInputs
 from attention_variants.projections import (
     augmented,
     fold_into_query,
+    head_shape,
     heads,
     proj_key,
     store_augmented,
@@ -33,12 +34,6 @@ def kv_groups(num_layers: int, group_size: int) -> list[list[int]]:
     return [list(range(s, min(s + group_size, num_layers))) for s in range(0, num_layers, group_size)]
 
 
-def _shape(config: dict) -> tuple[int, int, int]:
-    n_heads = int(config["num_attention_heads"])
-    head_dim = int(config.get("head_dim") or config["hidden_size"] // n_heads)
-    return n_heads, int(config["num_key_value_heads"]), head_dim
-
-
 def _tokens(calib: AttentionInputs, layer: int, with_bias: bool) -> torch.Tensor:
     x = calib.flat(layer).double()
     if with_bias:
@@ -49,7 +44,7 @@ def _tokens(calib: AttentionInputs, layer: int, with_bias: bool) -> torch.Tensor
 @torch.no_grad()
 def _kv(weights: dict, config: dict, calib: AttentionInputs, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pre-rotary keys (complex pairs ``[G, d/2, T]``) and values ``[G, d, T]`` on calibration tokens."""
-    _, _, d = _shape(config)
+    _, _, d = head_shape(config)
     x = _tokens(calib, layer, proj_key(layer, "k_proj", "bias") in weights)
     k = heads(augmented(weights, layer, "k_proj"), d) @ x.T  # [G, d, T]
     v = heads(augmented(weights, layer, "v_proj"), d) @ x.T
@@ -154,7 +149,7 @@ def share_kv(
 ) -> dict[str, torch.Tensor]:
     """Drop readers' k_proj / v_proj (after folding the fitted maps into q_proj / o_proj)."""
     out = dict(weights)
-    n_heads, n_kv, d = _shape(config)
+    n_heads, n_kv, d = head_shape(config)
     q_per_kv = n_heads // n_kv
     for r, s in enumerate(sources):
         if r == s:

@@ -11,6 +11,13 @@ from __future__ import annotations
 import torch
 
 
+def head_shape(config: dict) -> tuple[int, int, int]:
+    """``(num_heads, num_kv_heads, head_dim)`` of a checkpoint's attention."""
+    n_heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // n_heads)
+    return n_heads, int(config["num_key_value_heads"]), head_dim
+
+
 def proj_key(layer: int, proj: str, param: str = "weight") -> str:
     return f"model.layers.{layer}.self_attn.{proj}.{param}"
 

@@ -28,7 +28,7 @@ from foundation.attention_layout import AttentionLayout
 from foundation.checkpoint import Checkpoint
 from foundation.errors import KvslimError
 from foundation.kv_plan_file import read_plan
-from foundation.primitives import decode_linear, dequantize_linear
+from foundation.primitives import LINEAR_TENSORS, decode_linear, dequantize_linear
 from foundation.quant_spec import QuantSpec, kv_cache_scheme_of
 from foundation.schemes import QuantScheme
 from foundation.tensor_shapes import ModelShapes, check_checkpoint, layer_linears, no_quantization
@@ -42,7 +42,6 @@ _FILE_TYPE = {Q.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0, Q.Q4_1: gguf.LlamaFileType
               Q.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0, Q.BF16: gguf.LlamaFileType.MOSTLY_BF16,
               Q.F16: gguf.LlamaFileType.MOSTLY_F16, Q.F32: gguf.LlamaFileType.ALL_F32}
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-_LINEAR_TENSORS = ("weight", "weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
 
 Source = Literal["exact", "float", "gguf-quantized", "requantized"]
 Embeddings = Literal["float", "q8_0"]
@@ -201,7 +200,7 @@ class _Changes:
 def _encode(ckpt: Checkpoint, plan: TensorPlan, changes: _Changes) -> np.ndarray:
     """The plan's tensor as GGML bytes (uint8)."""
     if plan.source in ("exact", "requantized"):
-        tensors = {k: ckpt.get(f"{plan.name}.{k}") for k in _LINEAR_TENSORS if ckpt.has(f"{plan.name}.{k}")}
+        tensors = {k: ckpt.get(f"{plan.name}.{k}") for k in LINEAR_TENSORS if ckpt.has(f"{plan.name}.{k}")}
     if plan.source == "exact":
         q, scale, zp, _ = decode_linear(tensors, plan.scheme)
         if plan.heads:

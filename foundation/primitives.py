@@ -29,6 +29,9 @@ import torch
 
 from foundation.schemes import QuantScheme
 
+# The on-disk tensors of one quantized Linear, relative to the module (the docstring above).
+LINEAR_TENSORS = ("weight", "weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
+
 FP8_DTYPE = torch.float8_e4m3fn
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

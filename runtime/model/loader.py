@@ -17,6 +17,7 @@ from torch import nn
 
 from foundation.checkpoint import Checkpoint
 from foundation.errors import CheckpointError, KvslimError
+from foundation.primitives import LINEAR_TENSORS
 from foundation.tensor_shapes import check_tensors, check_understood, expected_tensors
 from runtime.device import CPU, Placement
 from runtime.model.decoder import Decoder
@@ -31,8 +32,6 @@ from runtime.model.layers.fused_linear import (
 )
 from runtime.model.layers.linear import check_linear_tensors, make_linear
 from runtime.model.spec import ModelSpec
-
-LINEAR_TENSORS = ("weight", "bias", "weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
 
 
 class CheckpointWeights:
@@ -64,7 +63,7 @@ class CheckpointWeights:
 
     def _linear_tensors(self, name: str, bias: bool) -> dict[str, torch.Tensor]:
         tensors = {}
-        for suffix in LINEAR_TENSORS:
+        for suffix in (*LINEAR_TENSORS, "bias"):
             full = f"{name}.{suffix}"
             if self.ckpt.has(full):
                 tensors[suffix] = self.ckpt.get(full)
