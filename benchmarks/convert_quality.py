@@ -24,6 +24,7 @@ WINDOW = 256
 ROWS = {  # name -> ConvertSpec kwargs (None: the original model)
     "original": None,
     "MQA, mean-pool": dict(kv_heads=1, merge="mean"),
+    "MQA, aligned then mean-pool": dict(kv_heads=1, merge="aligned"),
     "MQA, calibrated (default)": dict(kv_heads=1, merge="calib"),
     "kv-share 2, plain readers": dict(kv_share=2, merge="mean"),
     "kv-share 2, fitted readers (default)": dict(kv_share=2, merge="calib"),
