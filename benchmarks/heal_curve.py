@@ -135,6 +135,7 @@ def settings_suffix(args) -> str:
     parts = [f"lr {args.lr:g}"] if args.lr else []
     parts += [f"hidden {args.hidden_weight:g}"] if args.hidden_weight else []
     parts += [f"train {args.train}"] if args.train != "attn" else []
+    parts += [f"local {args.local_steps}"] if args.local_steps else []
     return f" [{', '.join(parts)}]" if parts else ""
 
 
