@@ -32,6 +32,7 @@ from attention_variants.projections import (
     head_shape,
     heads,
     input_covariance,
+    keys_normed_per_head,
     proj_key,
     real_rows,
     store_augmented,
@@ -93,7 +94,7 @@ def _calib_merge(w: dict, config: dict, layer: int, new_kv: int, x: torch.Tensor
     wv = heads(augmented(w, layer, "v_proj"), d)
     wo = w[proj_key(layer, "o_proj")].double().reshape(-1, n_heads, d)  # [out, H, d]
     new_k, new_v = [], []
-    qk_norm = config.get("model_type") == "qwen3"
+    qk_norm = keys_normed_per_head(config)
     for j in range(new_kv):
         group = list(range(j * m, (j + 1) * m))
         readers = {g: list(range(g * q_per_kv, (g + 1) * q_per_kv)) for g in group}

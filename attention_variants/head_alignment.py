@@ -31,6 +31,7 @@ from attention_variants.projections import (
     head_shape,
     heads,
     input_covariance,
+    keys_normed_per_head,
     proj_key,
     real_rows,
     store_augmented,
@@ -64,7 +65,7 @@ def similarity_groups(similarity: torch.Tensor, num_groups: int) -> list[list[in
 def _align_layer(w: dict, config: dict, layer: int, new_kv: int, x: torch.Tensor) -> None:
     n_heads, old_kv, d = head_shape(config)
     q_per_kv = n_heads // old_kv
-    align_keys = config.get("model_type") != "qwen3"
+    align_keys = not keys_normed_per_head(config)
     dtype = w[proj_key(layer, "k_proj")].dtype
     sigma = input_covariance(x, proj_key(layer, "k_proj", "bias") in w)
     wq = heads(augmented(w, layer, "q_proj"), d)  # [H, d, in]

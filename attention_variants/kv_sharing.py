@@ -21,6 +21,7 @@ from attention_variants.projections import (
     fold_into_query,
     head_shape,
     heads,
+    keys_normed_per_head,
     proj_key,
     store_augmented,
 )
@@ -156,7 +157,7 @@ def share_kv(
             continue
         if fit == "calib":
             b, a, _ = _fit(_kv(weights, config, calib, r), _kv(weights, config, calib, s))
-            if config.get("model_type") == "qwen3":
+            if keys_normed_per_head(config):
                 b = torch.ones_like(b)  # k_norm sits between k_proj and rotary: no scalar can move into q
             dtype = weights[proj_key(r, "q_proj")].dtype
             wq = heads(augmented(out, r, "q_proj"), d)

@@ -18,6 +18,12 @@ def head_shape(config: dict) -> tuple[int, int, int]:
     return n_heads, int(config["num_key_value_heads"]), head_dim
 
 
+def keys_normed_per_head(config: dict) -> bool:
+    """Whether k is RMS-normalised per head before rotary (Qwen3's ``k_norm``): its per-channel
+    weights do not commute with a rotation of a rotary pair, so keys cannot be re-mixed freely."""
+    return config.get("model_type") == "qwen3"
+
+
 def proj_key(layer: int, proj: str, param: str = "weight") -> str:
     return f"model.layers.{layer}.self_attn.{proj}.{param}"
 
