@@ -45,6 +45,7 @@ from runtime.engine.sampling import (
 )
 from runtime.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from runtime.engine.sequence import Sequence
+from runtime.model.decode_graphs import DecodeGraphs
 from runtime.model.decoder import Decoder
 
 MODEL_KV_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -72,6 +73,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: min(model's max_position_embeddings, 4096)
     enable_prefix_caching: bool = True
     attention_backend: str | None = None  # a name in runtime.attention.registry; None: by the model's kernels
+    compile_decode: bool = False  # CPU: decode steps padded to fixed batch sizes and compiled (runtime.model.decode_graphs)
 
 
 @dataclass
@@ -158,6 +160,7 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.block_manager
         )
+        self.graphs = DecodeGraphs(model, config.max_num_seqs) if config.compile_decode else None
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -238,9 +241,8 @@ class Engine:
         """Schedule, run one decoder call, sample, postprocess. Returns outputs of the requests
         that produced a token (or finished) this step.
 
-        The decoder runs eagerly: torch.compile of the step measured slower on a 2-core AVX-512 CPU
-        (W8A8 bf16, 32 requests: eager 74.3 ms, MLP + norms compiled 76.8 ms, whole layers 223.6 ms
-        per step), as shapes change every step."""
+        The decoder runs eagerly unless ``compile_decode``: then pure decode steps run the decoder
+        compiled for a fixed batch size (``runtime.model.decode_graphs``); prefill stays eager."""
         out = self.scheduler.schedule()
         self.stats.preemptions += len(out.preempted)
         if not out.scheduled:
@@ -269,7 +271,11 @@ class Engine:
             self.device,
         )
         self.backend.set_batch(batch)
-        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), batch.positions, self.backend)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        if self.graphs is not None and len(ids) == len(sched):  # a pure decode step
+            hidden = self.graphs.run(input_ids, batch.positions, self.backend)
+        else:
+            hidden = self.model(input_ids, batch.positions, self.backend)
         starts = batch.query_start_loc.tolist()
         for i, s in enumerate(sched):
             if s.seq.seq_id in self._prompt_logprobs:

@@ -70,7 +70,20 @@ def int8_matmul(q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
             return None
         if m < CUDA_INT_MM_MIN_ROWS:
             q = F.pad(q, (0, 0, 0, CUDA_INT_MM_MIN_ROWS - m))
-    return torch._int_mm(q, weight.t())[:m]  # [N, K] row-major as stored: its .t() is the fast layout
+    int_mm = torch.ops.kvslim.int_mm if torch.compiler.is_compiling() else torch._int_mm
+    return int_mm(q, weight.t())[:m]  # [N, K] row-major as stored: its .t() is the fast layout
+
+
+@torch.library.custom_op("kvslim::int_mm", mutates_args=())
+def _opaque_int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch._int_mm`` kept out of compiled graphs (``runtime.model.decode_graphs``): under
+    ``torch.compile`` it measured 19 ms against 47 us eager at one row."""
+    return torch._int_mm(a, b)
+
+
+@_opaque_int_mm.register_fake
+def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=torch.int32)
 
 
 class _QuantizedLinear(nn.Module):
