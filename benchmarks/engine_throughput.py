@@ -13,6 +13,8 @@ llama-cpp-python runs the package's Q4_1 GGUF and any ``--llama-cpp-ggufs`` (our
 Quantized checkpoints run as their own engine peers ("kvslim engine W8A8", named by the scheme in
 their config), at the same activation dtypes: ``--engine-w8a8`` first quantizes the model to W8A8
 (RTN) into a temporary directory; ``--engine-checkpoints DIR ...`` takes existing ones.
+``--engine-compile`` runs every engine peer a second time with its decode steps compiled per batch
+size (``EngineConfig(compile_decode=True)``); the warm-up, which compiles, is not timed.
 
     python benchmarks/engine_throughput.py --json runs/engine_throughput.json
     python benchmarks/engine_throughput.py --engine-w8a8 --concurrency 32 --json runs/engine_w8a8.json
@@ -36,6 +38,7 @@ from pathlib import Path
 # under (``--omp-policies``); this default covers the parent process only.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 LLAMA_CPP = "llama-cpp-python"
+COMPILED = ", decode compiled"  # the engine peer's suffix with EngineConfig(compile_decode=True)
 
 import torch  # noqa: E402
 
@@ -50,16 +53,21 @@ def real_prompts(tokenizer, n: int) -> list[list[int]]:
     return [ids[i * PROMPT_TOKENS:(i + 1) * PROMPT_TOKENS] for i in range(n)]
 
 
-def run_engine(model_dir: Path, dtype: str, prompts: list[list[int]], new_tokens: int) -> dict:
+def run_engine(model_dir: Path, dtype: str, prompts: list[list[int]], new_tokens: int,
+               compile_decode: bool = False) -> dict:
     from runtime.engine.engine import Engine, EngineConfig
     from runtime.engine.sampling import SamplingParams
 
     engine = Engine.from_checkpoint(model_dir, EngineConfig(
         dtype=dtype, max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=512,
-        kv_cache_bytes=1 << 30, enable_prefix_caching=False,
+        kv_cache_bytes=1 << 30, enable_prefix_caching=False, compile_decode=compile_decode,
     ))
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    engine.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+    t0 = time.perf_counter()  # warm-up: every decode bucket the run can meet compiled, then one short batch
+    if engine.graphs is not None:
+        engine.graphs.compile(len(prompts))
+    engine.generate([p[:16] for p in prompts], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    warm_up = time.perf_counter() - t0
     t0 = time.perf_counter()
     outs = {}
     for o in engine.stream(prompts, params):
@@ -68,7 +76,7 @@ def run_engine(model_dir: Path, dtype: str, prompts: list[list[int]], new_tokens
     wall = time.perf_counter() - t0
     generated = sum(len(o.token_ids) for o in outs.values())
     assert generated == new_tokens * len(prompts)
-    return {"wall_s": wall, "generated": generated, "tok_s": generated / wall,
+    return {"wall_s": wall, "generated": generated, "tok_s": generated / wall, "warm_up_s": warm_up,
             "kv_dtype": engine.kv_spec.groups[0].kv_dtype, "activations": engine.model.activation_dtype.name,
             "preemptions": engine.stats.preemptions}
 
@@ -134,6 +142,8 @@ def main() -> int:
     ap.add_argument("--engine-checkpoints", nargs="+", default=[], metavar="DIR[@DTYPE,...]",
                     help="also run the engine on these (quantized) checkpoints, one peer each; @DTYPEs "
                          "overrides --engine-dtypes for that one (e.g. an INT4 checkpoint @bfloat16)")
+    ap.add_argument("--engine-compile", action="store_true",
+                    help=f"each engine peer also with its decode steps compiled per batch size ('{COMPILED}')")
     ap.add_argument("--llama-cpp-ggufs", nargs="+", default=[], metavar="GGUF",
                     help="llama-cpp-python also on these files (e.g. `compress export CKPT --gguf`), beside the package's")
     ap.add_argument("--omp-policies", nargs="+", default=["ACTIVE", "PASSIVE"], choices=("ACTIVE", "PASSIVE"),
@@ -159,6 +169,8 @@ def main() -> int:
         path, _, dtypes = item.partition("@")
         engines.append((f"kvslim engine {checkpoint_label(Path(path))}", Path(path),
                         dtypes.split(",") if dtypes else args.engine_dtypes))
+    if args.engine_compile:
+        engines += [(peer + COMPILED, path, dts) for peer, path, dts in engines]
     plan = [(peer, path, dt, c) for c in args.concurrency for peer, path, dts in engines for dt in dts]
     plan += [("HF generate", model_dir, dt, c) for c in args.concurrency for dt in args.hf_dtypes]
     skipped = None
@@ -250,8 +262,10 @@ def measure_single(args) -> int:
     prompts = real_prompts(AutoTokenizer.from_pretrained(resolve_model(args.model)), int(c))
     if peer == LLAMA_CPP:
         result = run_llama_cpp(Path(path), prompts, args.new_tokens)
+    elif peer == "HF generate":
+        result = run_hf(Path(path), dtype, prompts, args.new_tokens)
     else:
-        result = (run_hf if peer == "HF generate" else run_engine)(Path(path), dtype, prompts, args.new_tokens)
+        result = run_engine(Path(path), dtype, prompts, args.new_tokens, compile_decode=peer.endswith(COMPILED))
     print(json.dumps(result))
     return 0
 

@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 from foundation.errors import KvslimError
@@ -56,6 +57,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="the uncompressed model, for the KV-saving metric (default: the default model when "
                         "serving it, else CKPT's own layout in bf16)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--compile-decode", action="store_true",
+                   help="CPU: run decode steps compiled per batch size (1, 2, 4, ... up to --max-num-seqs; each "
+                        "compiles on first use, ~30 s for the default model)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -144,7 +148,13 @@ def _serve(args: argparse.Namespace, sock: socket.socket, ckpt, source: str) -> 
         device=args.device,
         kernels=args.kernels,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        compile_decode=args.compile_decode,
     ))
+    if engine.graphs is not None:  # every batch size compiled before the first request, as vLLM captures them
+        t0 = time.perf_counter()
+        sizes = engine.graphs.compile()
+        sys.stderr.write(f"compress serve: decode compiled for batch sizes {', '.join(map(str, sizes))} "
+                         f"in {time.perf_counter() - t0:.0f} s\n")
     tokenizer = AutoTokenizer.from_pretrained(path)
 
     layout = engine.model.spec.attention

@@ -12,7 +12,7 @@ and ``torch._int_mm`` (``kvslim::int_mm`` in ``runtime.model.layers.linear``: un
 measured 19 ms against 47 us eager).
 Padded rows carry token 0 at position 0; attention sees only the real rows and returns zeros for
 the others, which are sliced off. Prefill and mixed steps run eagerly. Each bucket compiles on its
-first use (seconds to a minute for a real model on a small CPU).
+first use (~20-30 s for the default model on 2 cores), or all of them at once by ``compile()``.
 """
 from __future__ import annotations
 
@@ -48,6 +48,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, lay
 @_attend.register_fake
 def _(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_idx: int) -> torch.Tensor:
     return torch.empty_like(q)
+
+
+class _NullAttention:
+    """Attention that attends nothing and writes no cache: what ``DecodeGraphs.compile`` traces through."""
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
+        return torch.zeros_like(q)
 
 
 class _OpaqueAttention:
@@ -92,6 +99,16 @@ class DecodeGraphs:
                 return b
         raise ValueError(f"{rows} decode rows exceed the largest bucket {self.buckets[-1]}")
 
+    def compile(self, up_to: int | None = None) -> tuple[int, ...]:
+        """Compile now every bucket a step of at most ``up_to`` rows can take (default: all), as vLLM
+        captures its sizes at start-up, so that no step waits on a compile; returns those compiled."""
+        last = self.buckets[-1] if up_to is None else self.bucket(up_to)
+        todo = tuple(b for b in self.buckets if b <= last and b not in self._ready)
+        for b in todo:
+            ids = torch.zeros(b, dtype=torch.long, device=self.model.device)
+            self._forward(ids, ids, _NullAttention(), b)
+        return todo
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         """Final-normed hidden ``[rows, hidden]`` of a decode step (``Decoder.forward``'s contract)."""
         n = input_ids.shape[0]
@@ -99,16 +116,22 @@ class DecodeGraphs:
         if b > n:
             input_ids = torch.nn.functional.pad(input_ids, (0, b - n))
             positions = torch.nn.functional.pad(positions, (0, b - n))
-        _STEP.backend, _STEP.rows = backend, n
-        try:
-            if b in self._ready:
-                hidden = self._compiled(input_ids, positions, self._opaque)
-            else:  # first use: one more entry in Decoder.forward's compile cache, weights frozen into it
-                with torch._dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16), \
-                        torch._inductor.config.patch(freezing=True):
-                    hidden = self._compiled(input_ids, positions, self._opaque)
-                self._ready.add(b)
-        finally:
-            _STEP.backend = None
+        hidden = self._forward(input_ids, positions, backend, n)
         self.steps += 1
         return hidden[:n]
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
+                 rows: int) -> torch.Tensor:
+        b = input_ids.shape[0]
+        _STEP.backend, _STEP.rows = backend, rows
+        try:
+            if b in self._ready:
+                return self._compiled(input_ids, positions, self._opaque)
+            # first use: one more entry in Decoder.forward's compile cache, weights frozen into it
+            with torch._dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16), \
+                    torch._inductor.config.patch(freezing=True):
+                hidden = self._compiled(input_ids, positions, self._opaque)
+            self._ready.add(b)
+            return hidden
+        finally:
+            _STEP.backend = None

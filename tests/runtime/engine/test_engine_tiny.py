@@ -10,7 +10,6 @@ from runtime.engine.engine import Engine, EngineConfig
 from runtime.engine.sampling import SamplingParams
 from runtime.llm import LLM
 from runtime.model.loader import load_model
-from tests.tiny_models import make_tiny_checkpoint
 
 LP_TOL = 1e-4  # fp32 both sides; only the summation order differs
 TIE = 1e-3  # tokens may differ only where the core's top-2 logprobs are this close
@@ -35,25 +34,6 @@ def prompts(n, seed=0, lo=1, hi=60, prefix=()):
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi, (n,), generator=g).tolist()
     return [list(prefix) + torch.randint(3, 512, (k,), generator=g).tolist() for k in lens]
-
-
-@pytest.fixture(scope="module")
-def kv_shared_checkpoint(tmp_path_factory):
-    # KV sharing + sliding + full in one model: layer 1 reads 0, layer 3 reads 2.
-    from safetensors.torch import load_file, save_file
-
-    path = make_tiny_checkpoint(
-        tmp_path_factory.mktemp("tiny_share") / "m", "qwen3",
-        sliding_window=8, layer_types=["sliding_attention"] * 2 + ["full_attention"] * 2,
-        kv_source_layers=[0, 0, 2, 2], use_sliding_window=True,
-    )
-    shard = path / "model.safetensors"
-    tensors = load_file(shard)
-    readers = ("model.layers.1.", "model.layers.3.")
-    kv = (".k_proj.", ".v_proj.", ".k_norm.")
-    save_file({k: v for k, v in tensors.items() if not (k.startswith(readers) and any(s in k for s in kv))},
-              shard, metadata={"format": "pt"})
-    return path
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])  # full / sliding+full; the rest below

@@ -15,7 +15,7 @@ from runtime.engine.engine import Engine, EngineConfig
 from runtime.engine.sampling import SamplingParams
 from runtime.model.decode_graphs import DecodeGraphs, decode_buckets
 from runtime.model.loader import load_model
-from tests.runtime.engine.test_engine_tiny import kv_shared_checkpoint, prompts  # noqa: F401 (a fixture)
+from tests.runtime.engine.test_engine_tiny import prompts
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0, logprobs=3, ignore_eos=True)
 
@@ -66,6 +66,19 @@ def test_compiled_decode_matches_eager(tiny_checkpoints, arch):
     assert_same_tokens(got, ref, tol=1e-4)
     # one prefill step (eager), then every decode step compiled for bucket 4
     assert engine.graphs.compiled_buckets == (4,) and engine.graphs.steps == engine.stats.steps - 1 == 5
+
+
+def test_buckets_compiled_ahead_serve_without_compiling(tiny_llama):
+    model = load_model(tiny_llama, "float32")
+    cfg = dict(block_size=4, max_num_batched_tokens=64, max_model_len=96, kv_cache_bytes=2 << 20, max_num_seqs=8)
+    engine = Engine(model, EngineConfig(compile_decode=True, **cfg))
+    assert engine.graphs.compile(3) == (1, 2, 4) and engine.graphs.compile(4) == ()
+    assert engine.graphs.compiled_buckets == (1, 2, 4)
+    ps = prompts(3, seed=12, lo=5, hi=30)
+    got = engine.generate(ps, PARAMS)  # 3 rows, then fewer as requests finish
+    assert engine.graphs.compiled_buckets == (1, 2, 4) and engine.graphs.steps > 0
+    assert_same_tokens(got, Engine(model, EngineConfig(**cfg)).generate(ps, PARAMS), tol=1e-4)
+    assert all(p.num_free == p.num_blocks for p in engine.block_manager.pools)  # compiling wrote no cache
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3", "int8", "int4", "int2"])
