@@ -99,6 +99,7 @@ class DecodeGraphs:
                 return b
         raise ValueError(f"{rows} decode rows exceed the largest bucket {self.buckets[-1]}")
 
+    @torch.inference_mode()  # as the engine's steps run: grad mode is part of what a graph is compiled for
     def compile(self, up_to: int | None = None) -> tuple[int, ...]:
         """Compile now every bucket a step of at most ``up_to`` rows can take (default: all), as vLLM
         captures its sizes at start-up, so that no step waits on a compile; returns those compiled."""
@@ -106,7 +107,8 @@ class DecodeGraphs:
         todo = tuple(b for b in self.buckets if b <= last and b not in self._ready)
         for b in todo:
             ids = torch.zeros(b, dtype=torch.long, device=self.model.device)
-            self._forward(ids, ids, _NullAttention(), b)
+            # two tensors, as a step passes: the same tensor twice would compile for aliased inputs
+            self._forward(ids, ids.clone(), _NullAttention(), b)
         return todo
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
@@ -124,12 +126,14 @@ class DecodeGraphs:
                  rows: int) -> torch.Tensor:
         b = input_ids.shape[0]
         _STEP.backend, _STEP.rows = backend, rows
+        # Every bucket is one more entry in Decoder.forward's compile cache (and so is every other
+        # engine's model in this process): past torch's default of 8, fullgraph would refuse.
+        limits = torch._dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16)
         try:
             if b in self._ready:
-                return self._compiled(input_ids, positions, self._opaque)
-            # first use: one more entry in Decoder.forward's compile cache, weights frozen into it
-            with torch._dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16), \
-                    torch._inductor.config.patch(freezing=True):
+                with limits:
+                    return self._compiled(input_ids, positions, self._opaque)
+            with limits, torch._inductor.config.patch(freezing=True):  # weights are constants of the graph
                 hidden = self._compiled(input_ids, positions, self._opaque)
             self._ready.add(b)
             return hidden

@@ -75,7 +75,9 @@ def test_buckets_compiled_ahead_serve_without_compiling(tiny_llama):
     assert engine.graphs.compile(3) == (1, 2, 4) and engine.graphs.compile(4) == ()
     assert engine.graphs.compiled_buckets == (1, 2, 4)
     ps = prompts(3, seed=12, lo=5, hi=30)
+    graphs_before = dict(torch._dynamo.utils.counters["stats"])
     got = engine.generate(ps, PARAMS)  # 3 rows, then fewer as requests finish
+    assert dict(torch._dynamo.utils.counters["stats"]) == graphs_before  # nothing traced or compiled again
     assert engine.graphs.compiled_buckets == (1, 2, 4) and engine.graphs.steps > 0
     assert_same_tokens(got, Engine(model, EngineConfig(**cfg)).generate(ps, PARAMS), tol=1e-4)
     assert all(p.num_free == p.num_blocks for p in engine.block_manager.pools)  # compiling wrote no cache
