@@ -58,8 +58,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "serving it, else CKPT's own layout in bf16)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--compile-decode", action="store_true",
-                   help="CPU: run decode steps compiled per batch size (1, 2, 4, ... up to --max-num-seqs; each "
-                        "compiles on first use, ~30 s for the default model)")
+                   help="CPU: run decode steps compiled per batch size (1, 2, 4, ... up to --max-num-seqs), all "
+                        "compiled at start-up (~30 s each for the default model on 2 cores)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
