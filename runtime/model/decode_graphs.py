@@ -24,7 +24,9 @@ from runtime.attention.backend import AttentionBackend
 
 
 class _StepState:
-    """What the opaque attention op reads: the step's real backend and its real row count."""
+    """What the opaque attention op reads: the step's real backend and its real row count. One
+    compiled step at a time per process (the server steps its engine from one thread); two engines
+    stepping compiled in two threads at once would read each other's."""
 
     backend: AttentionBackend | None = None
     rows: int = 0
