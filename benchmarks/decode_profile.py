@@ -48,7 +48,7 @@ def op_class(name: str) -> str:
 
 def prefilled_engine(checkpoint: str, dtype: str, concurrency: int, compile_decode: bool):
     """An engine whose ``concurrency`` requests are past their prompts, decode bucket compiled."""
-    from engine_throughput import real_prompts  # a sibling script
+    from engine_throughput import ENGINE_SETTINGS, real_prompts  # a sibling script
     from transformers import AutoTokenizer
 
     from foundation.model_source import resolve_model
@@ -56,9 +56,7 @@ def prefilled_engine(checkpoint: str, dtype: str, concurrency: int, compile_deco
     from runtime.engine.sampling import SamplingParams
 
     path = resolve_model(checkpoint)
-    engine = Engine.from_checkpoint(path, EngineConfig(
-        dtype=dtype, max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=512, kv_cache_bytes=1 << 30,
-        enable_prefix_caching=False, compile_decode=compile_decode))
+    engine = Engine.from_checkpoint(path, EngineConfig(dtype=dtype, compile_decode=compile_decode, **ENGINE_SETTINGS))
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2"))
     params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
     for p in real_prompts(tokenizer, concurrency):

@@ -44,6 +44,10 @@ import torch  # noqa: E402
 
 PROMPT_TOKENS = 128
 NEW_TOKENS = 128
+# The engine's settings in every speed benchmark here (decode_profile.py too): room for 64 requests
+# of 512 tokens, no prefix cache (the prompts differ anyway).
+ENGINE_SETTINGS = dict(max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=512, kv_cache_bytes=1 << 30,
+                       enable_prefix_caching=False)
 
 
 def real_prompts(tokenizer, n: int) -> list[list[int]]:
@@ -58,10 +62,8 @@ def run_engine(model_dir: Path, dtype: str, prompts: list[list[int]], new_tokens
     from runtime.engine.engine import Engine, EngineConfig
     from runtime.engine.sampling import SamplingParams
 
-    engine = Engine.from_checkpoint(model_dir, EngineConfig(
-        dtype=dtype, max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=512,
-        kv_cache_bytes=1 << 30, enable_prefix_caching=False, compile_decode=compile_decode,
-    ))
+    engine = Engine.from_checkpoint(model_dir, EngineConfig(dtype=dtype, compile_decode=compile_decode,
+                                                            **ENGINE_SETTINGS))
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     t0 = time.perf_counter()  # warm-up: every decode bucket the run can meet compiled, then one short batch
     if engine.graphs is not None:

@@ -82,12 +82,15 @@ class DecodeGraphs:
         """``model``: a ``Decoder`` on the CPU (on CUDA the cost is the kernels' launches: CUDA graphs,
         not built yet)."""
         if model.device.type != "cpu":
-            raise KvslimError(f"compile_decode runs on the CPU only, not {model.device.type}")
+            raise KvslimError(f"--compile-decode (compile_decode) runs on the CPU only, not {model.device.type}")
         self.model = model
         self.buckets = decode_buckets(max_num_seqs)
         self._compiled = torch.compile(model.forward, dynamic=False, fullgraph=True)
         self._ready: set[int] = set()  # buckets compiled
         self._opaque = _OpaqueAttention()
+        # Every bucket is one more entry in Decoder.forward's compile cache (and so is every other
+        # engine's model in this process): past torch's default of 8, fullgraph would refuse.
+        self._limits = torch._dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16)
         self.steps = 0  # decode steps run compiled
 
     @property
@@ -128,15 +131,19 @@ class DecodeGraphs:
                  rows: int) -> torch.Tensor:
         b = input_ids.shape[0]
         _STEP.backend, _STEP.rows = backend, rows
-        # Every bucket is one more entry in Decoder.forward's compile cache (and so is every other
-        # engine's model in this process): past torch's default of 8, fullgraph would refuse.
-        limits = torch._dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16)
         try:
             if b in self._ready:
-                with limits:
+                with self._limits:
                     return self._compiled(input_ids, positions, self._opaque)
-            with limits, torch._inductor.config.patch(freezing=True):  # weights are constants of the graph
-                hidden = self._compiled(input_ids, positions, self._opaque)
+            try:
+                with self._limits, torch._inductor.config.patch(freezing=True):  # weights are constants of the graph
+                    hidden = self._compiled(input_ids, positions, self._opaque)
+            except KvslimError:
+                raise
+            except Exception as e:  # e.g. inductor's CPU code needs a C++ compiler on the machine
+                first = (str(e).strip().splitlines() or [""])[0]
+                raise KvslimError(f"compile_decode: torch.compile of the decode step failed for batch size {b} "
+                                  f"({type(e).__name__}: {first}); serve without --compile-decode") from None
             self._ready.add(b)
             return hidden
         finally:

@@ -135,3 +135,20 @@ def test_compile_decode_is_cpu_only():
 
     with pytest.raises(KvslimError, match="CPU only"):
         DecodeGraphs(OnCuda(1, 1), 4)
+
+
+def test_a_failed_compile_is_one_line(tiny_llama, monkeypatch):
+    """What torch.compile raises (say, no C++ compiler for inductor's CPU code) reaches the user as
+    one ``KvslimError`` line naming the batch size and the way out."""
+    from foundation.errors import KvslimError
+
+    graphs = DecodeGraphs(load_model(tiny_llama, "float32"), 4)
+
+    def no_compiler(*args):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore lines")
+
+    monkeypatch.setattr(graphs, "_compiled", no_compiler)
+    with pytest.raises(KvslimError, match=r"batch size 1 \(RuntimeError: InvalidCxxCompiler: No working C\+\+ "
+                                          r"compiler found\); serve without --compile-decode$"):
+        graphs.compile(1)
+    assert graphs.compiled_buckets == ()
