@@ -59,7 +59,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--compile-decode", action="store_true",
                    help="CPU: run decode steps compiled per batch size (1, 2, 4, ... up to --max-num-seqs), all "
-                        "compiled at start-up (~30 s each for the default model on 2 cores)")
+                        "compiled at start-up (~30-35 s each for the default model on 2 cores)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
