@@ -176,7 +176,9 @@ def validate(spec: ConvertSpec, config: dict) -> AttentionLayout:
     if spec.global_select != "fixed" and spec.sliding_window is None:
         raise KvslimError(f"--global-select {spec.global_select} needs --sliding-window W")
     if spec.calib is not None and not spec.needs_calibration:
-        raise KvslimError("--calib is given but nothing calibrates (--merge mean, fixed supplier and global layers)")
+        raise KvslimError("--calib is given but nothing here reads calibration text (it is read by --kv-heads/--mqa "
+                          "with --merge calib or aligned, --kv-share with --merge calib, --kv-share-select calib, "
+                          "--global-select calib, --streaming-heads unless the heads are given)")
     return layout
 
 
