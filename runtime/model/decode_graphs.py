@@ -79,13 +79,15 @@ def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
 class DecodeGraphs:
     """A decoder's decode step compiled per bucket (``torch.compile``, static shapes, freezing)."""
 
-    def __init__(self, model: nn.Module, max_num_seqs: int) -> None:
+    def __init__(self, model: nn.Module, max_num_seqs: int, cpp_wrapper: bool = True) -> None:
         """``model``: a ``Decoder`` on the CPU (on CUDA the cost is the kernels' launches: CUDA graphs,
-        not built yet)."""
+        not built yet). ``cpp_wrapper=False`` compiles the graph's wrapper in Python, slower but with
+        each of its ops visible to ``torch.profiler`` (``benchmarks/decode_profile.py``)."""
         if model.device.type != "cpu":
             raise KvslimError(f"--compile-decode (compile_decode) runs on the CPU only, not {model.device.type}")
         self.model = model
         self.buckets = decode_buckets(max_num_seqs)
+        self.cpp_wrapper = cpp_wrapper
         self._compiled = torch.compile(model.forward, dynamic=False, fullgraph=True)
         self._ready: set[int] = set()  # buckets compiled
         self._opaque = _OpaqueAttention()
@@ -140,7 +142,7 @@ class DecodeGraphs:
                 # Freezing: the weights are constants of the graph. The C++ wrapper: the graph's calls
                 # are made from C++, not from a generated Python function (0.7-3 ms a step less at
                 # batch 1 in interleaved runs, for ~10 s more compiling per bucket).
-                with self._limits, torch._inductor.config.patch(freezing=True, cpp_wrapper=True):
+                with self._limits, torch._inductor.config.patch(freezing=True, cpp_wrapper=self.cpp_wrapper):
                     hidden = self._compiled(input_ids, positions, self._opaque)
             except KvslimError:
                 raise
