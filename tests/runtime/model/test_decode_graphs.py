@@ -83,6 +83,18 @@ def test_buckets_compiled_ahead_serve_without_compiling(tiny_llama):
     assert all(p.num_free == p.num_blocks for p in engine.block_manager.pools)  # compiling wrote no cache
 
 
+def test_python_wrapper_matches_eager(tiny_llama):
+    """``cpp_wrapper=False``, as ``benchmarks/decode_profile.py`` compiles to see each op."""
+    model = load_model(tiny_llama, "float32")
+    cfg = dict(block_size=4, max_num_batched_tokens=64, max_model_len=96, kv_cache_bytes=2 << 20, max_num_seqs=2)
+    ps = prompts(2, seed=13, lo=5, hi=30)
+    engine = Engine(model, EngineConfig(compile_decode=True, **cfg))
+    engine.graphs.cpp_wrapper = False
+    got = engine.generate(ps, PARAMS)
+    assert engine.graphs.compiled_buckets == (2,) and engine.graphs.steps > 0
+    assert_same_tokens(got, Engine(model, EngineConfig(**cfg)).generate(ps, PARAMS), tol=1e-4)
+
+
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3", "int8", "int4", "int2"])
 def test_compiled_decode_matches_eager_per_kv_dtype(tiny_llama, kv_dtype):
     model = load_model(tiny_llama, "float32")
