@@ -61,7 +61,7 @@ def prefilled_engine(checkpoint: str, dtype: str, concurrency: int, compile_deco
     engine = Engine.from_checkpoint(path, EngineConfig(dtype=dtype, compile_decode=compile_decode, **ENGINE_SETTINGS))
     if engine.graphs is not None:
         # The C++ wrapper runs the whole graph as one profiler event: a Python wrapper keeps each op
-        # visible, at ~1 ms a step of wrapper time at one request (counted as "outside ops").
+        # visible, at ~1 ms a step more at one request (the graph call's own time, under "other ops").
         engine.graphs.cpp_wrapper = False
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2"))
     params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
