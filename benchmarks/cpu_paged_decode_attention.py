@@ -68,16 +68,14 @@ def case(seqs: int, context: int, reps: int) -> dict:
     bias = torch.zeros(seqs, width * BLOCK, dtype=dt).masked_fill_(key_pos >= ctx[:, None], float("-inf"))[:, None, None]
     rep = HEADS // KV_HEADS
 
-    def gather_sdpa() -> torch.Tensor:
-        kk, vv = gather_blocks(k_cache, None, table, dt), gather_blocks(v_cache, None, table, dt)
+    def sdpa(kk: torch.Tensor, vv: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q.view(seqs, KV_HEADS, rep, HEAD_DIM), kk.transpose(1, 2),
                                               vv.transpose(1, 2), attn_mask=bias, scale=scale).reshape(q.shape)
 
-    kk, vv = gather_blocks(k_cache, None, table, dt), gather_blocks(v_cache, None, table, dt)
+    def gathered() -> tuple[torch.Tensor, torch.Tensor]:
+        return gather_blocks(k_cache, None, table, dt), gather_blocks(v_cache, None, table, dt)
 
-    def sdpa_alone() -> torch.Tensor:
-        return F.scaled_dot_product_attention(q.view(seqs, KV_HEADS, rep, HEAD_DIM), kk.transpose(1, 2),
-                                              vv.transpose(1, 2), attn_mask=bias, scale=scale).reshape(q.shape)
+    kk, vv = gathered()
 
     # FlexAttention over the whole cache as one sequence of NUM_BLOCKS * BLOCK keys: each query's full
     # blocks, then its last (partial) block masked by logical position.
@@ -108,7 +106,7 @@ def case(seqs: int, context: int, reps: int) -> dict:
         return out.view(q.shape)
 
     rows = {}
-    for name, fn in (("gather + SDPA", gather_sdpa), ("SDPA alone", sdpa_alone),
+    for name, fn in (("gather + SDPA", lambda: sdpa(*gathered())), ("SDPA alone", lambda: sdpa(kk, vv)),
                      ("FlexAttention, blocks in place", flex_in_place)):
         out = fn()
         err = max((out[i].float() - reference_attention(

@@ -79,15 +79,16 @@ def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
 class DecodeGraphs:
     """A decoder's decode step compiled per bucket (``torch.compile``, static shapes, freezing)."""
 
-    def __init__(self, model: nn.Module, max_num_seqs: int, cpp_wrapper: bool = True) -> None:
+    def __init__(self, model: nn.Module, max_num_seqs: int) -> None:
         """``model``: a ``Decoder`` on the CPU (on CUDA the cost is the kernels' launches: CUDA graphs,
-        not built yet). ``cpp_wrapper=False`` compiles the graph's wrapper in Python, slower but with
-        each of its ops visible to ``torch.profiler`` (``benchmarks/decode_profile.py``)."""
+        not built yet)."""
         if model.device.type != "cpu":
             raise KvslimError(f"--compile-decode (compile_decode) runs on the CPU only, not {model.device.type}")
         self.model = model
         self.buckets = decode_buckets(max_num_seqs)
-        self.cpp_wrapper = cpp_wrapper
+        # False before a bucket compiles: its wrapper in Python, slower but with each op visible to
+        # torch.profiler (benchmarks/decode_profile.py); buckets already compiled keep theirs.
+        self.cpp_wrapper = True
         self._compiled = torch.compile(model.forward, dynamic=False, fullgraph=True)
         self._ready: set[int] = set()  # buckets compiled
         self._opaque = _OpaqueAttention()

@@ -84,7 +84,7 @@ def test_buckets_compiled_ahead_serve_without_compiling(tiny_llama):
 
 
 def test_python_wrapper_matches_eager(tiny_llama):
-    """``cpp_wrapper=False``, as ``benchmarks/decode_profile.py`` compiles to see each op."""
+    """``graphs.cpp_wrapper = False``, as ``benchmarks/decode_profile.py`` compiles to see each op."""
     model = load_model(tiny_llama, "float32")
     cfg = dict(block_size=4, max_num_batched_tokens=64, max_model_len=96, kv_cache_bytes=2 << 20, max_num_seqs=2)
     ps = prompts(2, seed=13, lo=5, hi=30)
