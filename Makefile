@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 STAMP := .kvslim-installed
 
-.PHONY: install demo test test-fast bench bench-gpu clean
+.PHONY: install demo test test-fast bench bench-gpu soak clean
 
 $(STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0
@@ -42,6 +42,11 @@ bench-gpu:
 	$(PYTHON) benchmarks/paged_attention_bench.py --out benchmarks/results/paged_attention.json
 	$(PYTHON) -m cli quantize smollm2 --int4 --method rtn -o runs/smollm2-w4a16 --force
 	$(PYTHON) benchmarks/gpu_engine.py --checkpoints runs/smollm2-w4a16 --json benchmarks/results/gpu_engine.json
+
+## The server soak (minutes): load, disconnects, fuzz, stalled connections, preemption, greedy
+## repeatability against `compress serve` on the default model; exits non-zero on any 5xx or leak.
+soak: install
+	$(PYTHON) benchmarks/serve_soak.py --json runs/serve_soak.json
 
 test-fast: install
 	$(PYTHON) -m pytest -q -m "not slow"

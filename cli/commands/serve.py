@@ -29,6 +29,12 @@ from runtime.device_choices import (
     KERNELS_HELP,
 )
 from runtime.model.layers.dtype_choices import DTYPE_CHOICES, DTYPE_HELP
+from runtime.server.limits import (
+    DEFAULT_KEEP_ALIVE_S,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_READ_TIMEOUT_S,
+)
 
 API_KEY_ENV = "KVSLIM_API_KEY"
 
@@ -60,6 +66,18 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-decode", action="store_true",
                    help="CPU: run decode steps compiled per batch size (1, 2, 4, ... up to --max-num-seqs), all "
                         "compiled at start-up (~30-35 s each for the default model on 2 cores)")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="largest request body accepted; a larger one is answered 413 before it is read "
+                        f"(default {DEFAULT_MAX_REQUEST_BYTES >> 20} MiB)")
+    p.add_argument("--request-read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S,
+                   help="seconds a client has to send a whole request (headers and body) once it starts, or "
+                        f"after connecting; a stalled connection is closed (default {DEFAULT_READ_TIMEOUT_S:.0f})")
+    p.add_argument("--keep-alive-timeout", type=float, default=DEFAULT_KEEP_ALIVE_S,
+                   help="seconds an idle connection is kept open between requests "
+                        f"(default {DEFAULT_KEEP_ALIVE_S:.0f})")
+    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help="most open connections; more are closed as they open, with a 503 "
+                        f"(default {DEFAULT_MAX_CONNECTIONS})")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -76,10 +94,15 @@ def check_args(args: argparse.Namespace) -> None:
     """Refuse out-of-range numbers: every count, size and port must be positive (``None``: default)."""
     if not 0 < args.port < 65536:
         raise KvslimError(f"--port must be in 1..65535, got {args.port}")
-    for name in ("max_num_seqs", "max_model_len", "max_queue", "kv_cache_mib", "threads"):
+    for name in ("max_num_seqs", "max_model_len", "max_queue", "kv_cache_mib", "threads", "max_request_bytes",
+                 "max_connections"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise KvslimError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    for name in ("request_read_timeout", "keep_alive_timeout"):
+        value = getattr(args, name)
+        if not 0 < value < float("inf"):
+            raise KvslimError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value}")
     cpus = os.cpu_count() or 1
     if args.threads is not None and args.threads > cpus:  # more only slows torch down (or hangs it)
         raise KvslimError(f"--threads must be at most {cpus} (this machine's CPUs), got {args.threads}")
@@ -130,8 +153,10 @@ def _serve(args: argparse.Namespace, sock: socket.socket, ckpt, source: str) -> 
     from foundation.attention_layout import AttentionLayout
     from foundation.checkpoint import Checkpoint
     from foundation.model_source import resolve_model
-    from runtime.engine.engine import Engine, EngineConfig
+    from runtime.engine.engine import KVBudgetTooSmall
+    from runtime.model.loader import live_weight_bytes
     from runtime.server.app import create_app
+    from runtime.server.connections import guarded_h11
     from runtime.server.engine_adapter import ThreadedEngine
     from runtime.server.metrics import KVFootprint
 
@@ -139,17 +164,12 @@ def _serve(args: argparse.Namespace, sock: socket.socket, ckpt, source: str) -> 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     path = ckpt.path
-    engine = Engine.from_checkpoint(ckpt, EngineConfig(
-        dtype=args.dtype,
-        kv_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype],
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        kv_cache_bytes=None if args.kv_cache_mib is None else args.kv_cache_mib << 20,
-        device=args.device,
-        kernels=args.kernels,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        compile_decode=args.compile_decode,
-    ))
+    try:
+        engine = _engine(args, ckpt)
+    except KVBudgetTooSmall as e:
+        fix = (f"pass --max-model-len {e.longest_fitting} or less, or " if e.longest_fitting else "pass ")
+        raise KvslimError(f"a KV cache of {e.budget_bytes >> 20} MiB cannot hold one sequence of max_model_len "
+                          f"{e.max_model_len}: {fix}--kv-cache-mib {e.budget_needed >> 20} or more") from None
     if engine.graphs is not None:  # every batch size compiled before the first request, as vLLM captures them
         t0 = time.perf_counter()
         sizes = engine.graphs.compile()
@@ -168,7 +188,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, ckpt, source: str) -> 
     # A known name (smollm2) is the model id; a directory or file is known by its name.
     model_name = args.served_model_name or (path.name if Path(source).exists() else source)
     max_queue = args.max_queue if args.max_queue is not None else 4 * args.max_num_seqs
-    app = create_app(ThreadedEngine(engine), tokenizer, model_name, footprint, api_key=api_key, max_queue=max_queue)
+    app = create_app(ThreadedEngine(engine), tokenizer, model_name, footprint, api_key=api_key, max_queue=max_queue,
+                     max_request_bytes=args.max_request_bytes)
     if not _is_loopback(args.host):
         sys.stderr.write(f"compress serve: listening on {args.host}, reachable from other machines"
                          f"{'' if api_key else ' WITHOUT an API key'}\n")
@@ -177,9 +198,13 @@ def _serve(args: argparse.Namespace, sock: socket.socket, ckpt, source: str) -> 
         f"compress serve: {model_name} ({path}) on http://{url_host}:{args.port}  kv={group.kv_dtype} "
         f"{footprint.bytes_per_token:.0f} B/token (original in bf16: {footprint.original_bytes_per_token:.0f}), "
         f"max_model_len={engine.max_model_len}, max_num_seqs={args.max_num_seqs}, queue={max_queue}, "
+        f"request body <= {args.max_request_bytes} B read within {args.request_read_timeout:g} s, "
+        f"keep-alive {args.keep_alive_timeout:g} s, <= {args.max_connections} connections, "
+        f"weights {live_weight_bytes(engine.model) / 2**20:.1f} MiB resident, "
         f"activations {engine.model.activation_dtype.describe()}, {engine.model.placement.describe()}\n")
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           access_log=False))
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+        http=guarded_h11(args.request_read_timeout, args.max_connections), timeout_keep_alive=args.keep_alive_timeout))
     # uvicorn drains on SIGTERM, then re-raises it into the handler it found (the default one kills
     # the process: exit 143). This one makes that a no-op, and stops a server not yet serving.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(server, "should_exit", True))
@@ -188,3 +213,19 @@ def _serve(args: argparse.Namespace, sock: socket.socket, ckpt, source: str) -> 
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _engine(args: argparse.Namespace, ckpt):
+    from runtime.engine.engine import Engine, EngineConfig
+
+    return Engine.from_checkpoint(ckpt, EngineConfig(
+        dtype=args.dtype,
+        kv_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype],
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        kv_cache_bytes=None if args.kv_cache_mib is None else args.kv_cache_mib << 20,
+        device=args.device,
+        kernels=args.kernels,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        compile_decode=args.compile_decode,
+    ))

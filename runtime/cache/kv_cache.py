@@ -185,6 +185,38 @@ class KVCacheSpec:
         num_seqs = max(budget_bytes, 0) / seq_bytes
         return tuple(floor[g] + int(num_seqs * n) for g, n in enumerate(per_seq))
 
+    def pool_for(self, budget_bytes: int, max_model_len: int, chunk: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(blocks per group for the budget, blocks one lone sequence needs in flight per group).
+        Sliding groups reserve for decoding first; a lone sequence's prefill chunk needs more."""
+        groups = range(len(self.groups))
+        in_flight = tuple(self.blocks_in_flight(g, max_model_len, chunk) for g in groups)
+        floor = tuple(max(0, need - self.max_blocks_per_seq(g, max_model_len)) for g, need in enumerate(in_flight))
+        return self.plan_num_blocks(budget_bytes, max_model_len, floor), in_flight
+
+    def fits(self, budget_bytes: int, max_model_len: int, chunk: int) -> bool:
+        """Whether one sequence of ``max_model_len`` tokens fits a pool of ``budget_bytes``."""
+        num_blocks, in_flight = self.pool_for(budget_bytes, max_model_len, chunk)
+        return all(n >= need for n, need in zip(num_blocks, in_flight))
+
+    def longest_fitting(self, budget_bytes: int, chunk: int, upper: int) -> int:
+        """The longest ``max_model_len`` (<= ``upper``) one sequence of which fits the budget; 0: none."""
+        lo, hi = 0, upper
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.fits(budget_bytes, mid, chunk) else (lo, mid - 1)
+        return lo
+
+    def smallest_budget(self, max_model_len: int, chunk: int) -> int:
+        """The fewest bytes (to the MiB) a pool needs for one sequence of ``max_model_len`` tokens."""
+        mib = 1 << 20
+        lo, hi = 1, 1
+        while not self.fits(hi * mib, max_model_len, chunk):
+            lo, hi = hi + 1, hi * 2
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if self.fits(mid * mib, max_model_len, chunk) else (mid + 1, hi)
+        return lo * mib
+
 
 @dataclass
 class LayerCache:

@@ -53,6 +53,20 @@ MIB = 1 << 20
 DEFAULT_CPU_KV_BYTES = 512 * MIB
 
 
+class KVBudgetTooSmall(KvslimError):
+    """The KV pool cannot hold one sequence of ``max_model_len`` tokens; the message names the
+    longest that fits the budget and the budget the length needs."""
+
+    def __init__(self, spec: KVCacheSpec, budget_bytes: int, max_model_len: int, chunk: int):
+        self.budget_bytes, self.max_model_len = budget_bytes, max_model_len
+        self.longest_fitting = spec.longest_fitting(budget_bytes, chunk, max_model_len)
+        self.budget_needed = spec.smallest_budget(max_model_len, chunk)
+        fits = (f"max_model_len <= {self.longest_fitting} fits it" if self.longest_fitting
+                else "no sequence fits it")
+        super().__init__(f"a KV cache of {budget_bytes / MIB:.0f} MiB cannot hold one sequence of max_model_len="
+                         f"{max_model_len} tokens, which needs {self.budget_needed // MIB} MiB; {fits}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine knobs. ``kv_dtype``: fp32 | bf16 | fp16 | fp8_e4m3 | int8 | int4 | int2, or None for the model
@@ -134,19 +148,10 @@ class Engine:
         self.block_size = config.block_size or default_block_size(kv_dtype)
         self.kv_spec = KVCacheSpec.from_layout(layout, kv_dtype, self.block_size, static_scales=static)
         self.max_model_len = config.max_model_len or min(spec.max_position_embeddings, 4096)
-        in_flight = tuple(self.kv_spec.blocks_in_flight(g, self.max_model_len, config.max_num_batched_tokens)
-                          for g in range(len(self.kv_spec.groups)))
-        # Sliding groups reserve for decoding; a lone sequence's prefill chunk needs more.
-        floor = tuple(max(0, need - self.kv_spec.max_blocks_per_seq(g, self.max_model_len)) for g, need in enumerate(in_flight))
         budget = self._kv_budget()
-        num_blocks = self.kv_spec.plan_num_blocks(budget, self.max_model_len, floor)
-        for g, need in enumerate(in_flight):
-            if num_blocks[g] < need:  # a lone sequence must always fit
-                raise KvslimError(
-                    f"KV cache of {budget / MIB:.0f} MiB holds {num_blocks[g]} blocks in group {g}; "
-                    f"one sequence of max_model_len={self.max_model_len} needs {need}: raise kv_cache_bytes "
-                    "or lower max_model_len"
-                )
+        num_blocks, in_flight = self.kv_spec.pool_for(budget, self.max_model_len, config.max_num_batched_tokens)
+        if any(n < need for n, need in zip(num_blocks, in_flight)):  # a lone sequence must always fit
+            raise KVBudgetTooSmall(self.kv_spec, budget, self.max_model_len, config.max_num_batched_tokens)
         # Low-bit KV keeps each running sequence's open block exact: one residual block per
         # sequence that can run, plus one for Engine.score.
         self.cache = KVCache(self.kv_spec, num_blocks, self.device, layer_scales=layer_scales if static else None,

@@ -24,6 +24,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from runtime.engine.sampling import SamplingParams
 
@@ -71,10 +72,59 @@ StopField = Union[Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)],
                             Field(max_length=MAX_STOP_STRINGS)], None]
 
 
+def unencodable_text(body: Any) -> tuple[str, str] | None:
+    """(field path, problem) for the first string of a request body, keys included, that is not
+    valid Unicode: a lone UTF-16 surrogate, which JSON's ``\\ud800`` escapes can carry and no
+    tokenizer takes. Walked without recursion (a body can nest deeper than Python's stack)."""
+    stack: list[tuple[Any, tuple]] = [(body, ())]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if (at := _surrogate_at(value)) is not None:
+                return _dotted(path), (f"contains a lone UTF-16 surrogate (\\u{ord(value[at]):04x}) at character "
+                                       f"{at}; text must be valid Unicode")
+            continue
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        children = []
+        for key, item in items:
+            if isinstance(key, str) and _surrogate_at(key) is not None:
+                return _dotted(path) or "body", f"the field name '{_printable(key)}' is not valid Unicode"
+            if isinstance(item, (str, list, dict)):
+                children.append((item, (*path, key)))
+        stack.extend(reversed(children))  # the first field is looked at first
+    return None
+
+
+def _dotted(path: tuple) -> str:
+    return ".".join(_printable(k) for k in path)
+
+
+def _surrogate_at(text: str) -> int | None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+def _printable(key: Any) -> str:
+    return str(key).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class _SamplingFields(BaseModel):
     """Fields common to both endpoints."""
 
     model_config = REQUEST_CONFIG
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        """Every string of the body, before any field: the tokenizer must never see invalid text."""
+        found = unencodable_text(data)
+        if found:
+            path, problem = found
+            raise PydanticCustomError("invalid_text", "{path}: {problem}", {"path": path, "problem": problem})
+        return data
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)

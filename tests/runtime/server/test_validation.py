@@ -155,3 +155,59 @@ def test_numbers_take_json_integers_and_unknown_fields_pass(client):
     body = {"prompt": "x", "max_tokens": 2, "temperature": 1, "top_p": 1, "tools": [{"type": "function"}],
             "n": 1, "best_of": 1, "echo": False, "presence_penalty": 0, "frequency_penalty": 0.0}
     assert client.post("/v1/completions", json=body).status_code == 200
+
+
+@pytest.mark.parametrize("path, raw, param", [
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi \\ud800"}]}', "messages.0.content"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udfff"}]}]}',
+     "messages.0.content.0.text"),
+    ("/v1/completions", '{"prompt": "hi \\ud800"}', "prompt"),
+    ("/v1/completions", '{"prompt": ["\\udbff"]}', "prompt.0"),
+    ("/v1/completions", '{"prompt": "x", "stop": ["ok", "\\ud800"]}', "stop.1"),
+    ("/v1/completions", '{"prompt": "x", "user": "\\ud800"}', "user"),
+])
+def test_lone_surrogates_are_a_400_naming_the_field(client, path, raw, param):
+    r = client.post(path, content=raw.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "lone UTF-16 surrogate" in err["message"] and err["message"].startswith(param)
+
+
+def test_a_lone_surrogate_in_a_field_name_is_a_400(client):
+    r = client.post("/v1/completions", content=b'{"prompt": "x", "\\ud800": 1}',
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "field name" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("content", ["NUL \u0000 inside", "\U0001F600 emoji", "e\u0301 combining"])
+def test_unusual_but_valid_text_is_served(client, content):
+    assert client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}],
+                                                     "max_tokens": 1}).status_code == 200
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(client, monkeypatch):
+    """FakeEngine's context is 64 tokens; no token of this tokenizer spans more than 162 bytes."""
+    from runtime.server.prompt_encoder import PromptEncoder
+
+    monkeypatch.setattr(PromptEncoder, "_tokenize", lambda *a: pytest.fail("tokenized a prompt that cannot fit"))
+    err = _error(client, "/v1/completions", {"prompt": "x" * 20_000, "max_tokens": 1})
+    assert "at least" in err["message"] and err["param"] == "prompt"
+    err = _error(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * 20_000}]})
+    assert "at least" in err["message"] and err["param"] == "messages"
+
+
+def test_a_body_over_the_limit_is_a_413(tiny_chat_checkpoint, engine):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_chat_checkpoint)
+    app = create_app(engine, tokenizer, MODEL, KVFootprint(1.0, 2.0, "fp32"), max_request_bytes=1000)
+    with TestClient(app) as c:
+        r = c.post("/v1/completions", json={"prompt": "x" * 2000})
+        assert r.status_code == 413 and "1000 bytes" in r.json()["error"]["message"]
+
+        def chunks():  # no Content-Length: counted as it is read
+            for _ in range(4):
+                yield b" " * 400
+        r = c.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413, r.text
+        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
