@@ -1,12 +1,14 @@
 """Side-by-side report of checkpoints: bytes vs quality vs speed, measured on kvslim's runtime.
 
-Per checkpoint: weight bytes (safetensors on disk), KV bytes per token (the shared formula at
-``seq_len``), KV capacity (``runtime.cache.kv_report``: ``seq_len``-token sequences admitted into a
-``budget`` cache until allocation fails), perplexity and task accuracy (``compress eval``'s pack
-through the ``kvslim`` backend, cached per checkpoint), recovery vs the first checkpoint, and
-aggregate decode tokens/s of the engine; a checkpoint may be measured at several KV dtypes, one row
-each. Rendered as one Markdown table, one PNG of the figures and one Pareto PNG (KV bytes per token
-against perplexity, relative to the first row).
+Per checkpoint: weight bytes (safetensors on disk, and resident once loaded), KV bytes per token
+(the shared formula at ``context``), KV capacity (``runtime.cache.kv_report``: ``context``-token
+sequences admitted into a ``budget`` cache until allocation fails), perplexity at the same
+``context`` and task accuracy (``compress eval``'s pack through the ``kvslim`` backend, cached per
+checkpoint), recovery vs the first checkpoint, and aggregate decode tokens/s of the engine with the
+kernel path it ran; a checkpoint may be measured at several KV dtypes, one row each. One context for
+bytes and quality: a sliding window or a sink saves nothing, and costs nothing, below it. Rendered
+as one Markdown table, one PNG of the figures and one Pareto PNG (KV bytes per token against
+perplexity, relative to the first row).
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ class ReportSettings:
     limit: int | None  # docs per lm-eval task (None: the pack's fixed per-task limits)
     perplexity_tokens: int
     kv_budget_bytes: int = GIB
-    seq_len: int = 2048
+    context: int = 2048  # KV bytes and capacity at this many tokens; perplexity windows of this many, stride half
     decode_batch: int = 8
     decode_prompt_tokens: int = 64
     decode_new_tokens: int = 32
@@ -41,7 +43,6 @@ class ReportSettings:
     # Decode speed is measured with each of these activation dtypes and the fastest is reported;
     # auto is each checkpoint's fastest setting on this CPU by construction.
     decode_dtypes: tuple[str, ...] = ("auto",)
-    context: int | None = None  # perplexity context (stride half of it); None: the pack's 512
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ class CheckpointRow:
     accuracy: dict[str, float]  # lm-eval task -> primary metric
     decode_tokens_per_s: float
     decode_dtype: str
+    decode_path: str  # the Linears' kernel and the KV cache the decode ran on
+    resident_weight_bytes: int  # weights as loaded for decoding (FP8 on a CPU: dequantized once)
 
 
 def weight_bytes(ckpt: Path) -> int:
@@ -72,18 +75,41 @@ def served_kv_dtype(config: dict, ckpt: Path | None = None) -> str:
     return (quant.kv_dtype if quant else None) or planned or "bf16"
 
 
-def fastest_decode(ckpt: Path, s: ReportSettings, kv_dtype: str | None = None) -> tuple[float, str]:
-    """``(tokens/s, dtype)``: the best of :func:`decode_tokens_per_s` over ``s.decode_dtypes``."""
+def fastest_decode(ckpt: Path, s: ReportSettings, kv_dtype: str | None = None) -> "DecodeRun":
+    """The best of :func:`decode_tokens_per_s` over ``s.decode_dtypes``."""
     return max(decode_tokens_per_s(ckpt, s, dtype, kv_dtype) for dtype in s.decode_dtypes)
 
 
-def decode_tokens_per_s(ckpt: Path, s: ReportSettings, dtype: str, kv_dtype: str | None = None) -> tuple[float, str]:
-    """``(tokens/s, resolved dtype)``: aggregate decode tokens/s of the engine with ``dtype`` activations: ``decode_batch``
+@dataclass(frozen=True, order=True)
+class DecodeRun:
+    tokens_per_s: float
+    dtype: str
+    path: str
+    resident_weight_bytes: int
+
+
+def decode_path(engine) -> str:
+    """The kernel most of the engine's Linears run, and how its KV cache is stored."""
+    from runtime.model.layers.linear import linear_kernels
+
+    kernel = next(iter(linear_kernels(engine.model)), "dense GEMM")
+    kv = []
+    for g in engine.kv_spec.groups:
+        name = f"packed {g.kv_dtype} KV" if g.bits else f"{g.kv_dtype} KV"
+        if g.window is not None:
+            name += f" (window {g.window})"
+        kv.append(name)
+    return f"{kernel}; {', '.join(dict.fromkeys(kv))}"
+
+
+def decode_tokens_per_s(ckpt: Path, s: ReportSettings, dtype: str, kv_dtype: str | None = None) -> DecodeRun:
+    """Aggregate decode tokens/s of the engine with ``dtype`` activations: ``decode_batch``
     concurrent requests with ``decode_prompt_tokens``-token prompts from ``wikipedia:eval``;
     (time for prompt + ``decode_new_tokens``) minus (time for prompt + 1), per generated token
-    after the first."""
+    after the first; with the path it ran and the weights' resident bytes."""
     from runtime.engine.engine import Engine, EngineConfig
     from runtime.engine.sampling import SamplingParams
+    from runtime.model.loader import live_weight_bytes
 
     engine = Engine.from_checkpoint(ckpt, EngineConfig(dtype=dtype, max_num_seqs=s.decode_batch, kv_dtype=kv_dtype,
                                                        enable_prefix_caching=False))
@@ -98,7 +124,8 @@ def decode_tokens_per_s(ckpt: Path, s: ReportSettings, dtype: str, kv_dtype: str
     timed(2)  # warm-up
     prefill = timed(1)
     full = timed(s.decode_new_tokens + 1)
-    return s.decode_batch * s.decode_new_tokens / max(full - prefill, 1e-9), engine.model.activation_dtype.name
+    return DecodeRun(s.decode_batch * s.decode_new_tokens / max(full - prefill, 1e-9),
+                     engine.model.activation_dtype.name, decode_path(engine), live_weight_bytes(engine.model))
 
 
 def _eval_token_ids(ckpt: Path, n: int) -> list[int]:
@@ -126,19 +153,20 @@ def measure(name: str, ckpt: Path, s: ReportSettings, use_cache: bool = True,
     served = served_kv_dtype(config, ckpt)
     kv_dtype = chosen or served
     static = has_static_kv_scales(ckpt) and kv_dtype == served
-    kv = report_variant(name, config, kv_dtype, s.kv_budget_bytes, s.seq_len, static_scales=static)
+    kv = report_variant(name, config, kv_dtype, s.kv_budget_bytes, s.context, static_scales=static)
     plan = EvalPlan.make(list(s.tasks), s.limit, s.perplexity_tokens, 8, s.dtype,
                          kv_cache_dtype=kv_cache_dtype, context=s.context)
     results, _ = evaluate_cached(str(ckpt), plan, "kvslim", use_cache)
     ppl_name = next((t for t in s.tasks if t in PERPLEXITY_TASKS), None)
     ppl = results.scores[ppl_name] if ppl_name else None
     accuracy = {t: sc.value for t, sc in results.scores.items() if t not in PERPLEXITY_TASKS}
-    tokens_per_s, decode_dtype = fastest_decode(ckpt, s, chosen)
+    decode = fastest_decode(ckpt, s, chosen)
     return CheckpointRow(
         name=name, path=str(ckpt), weight_bytes=weight_bytes(ckpt), kv_dtype=kv_dtype,
         kv_bytes_per_token=kv.formula_bytes_per_token, kv_capacity_seqs=kv.capacity_seqs,
         perplexity=ppl.value if ppl else None, perplexity_detail=ppl.detail if ppl else None,
-        accuracy=accuracy, decode_tokens_per_s=tokens_per_s, decode_dtype=decode_dtype,
+        accuracy=accuracy, decode_tokens_per_s=decode.tokens_per_s, decode_dtype=decode.dtype,
+        decode_path=decode.path, resident_weight_bytes=decode.resident_weight_bytes,
     )
 
 
@@ -167,28 +195,33 @@ def perplexity_change(row: CheckpointRow, base: CheckpointRow) -> float | None:
 def markdown_table(rows: list[CheckpointRow], s: ReportSettings) -> str:
     """The table (first row is the baseline of the recovery and ratio columns) and the settings under it."""
     tasks = list(rows[0].accuracy)
-    head = (["checkpoint", "weights MiB", "KV dtype", "KV B/token", "KV smaller", "KV capacity (seqs)", "perplexity",
-             "ppl change"] + [f"{t} acc" for t in tasks] + ["mean acc", "recovery", "decode tok/s"])
+    head = (["checkpoint", "weights MiB (disk / resident)", "KV dtype", "KV B/token", "KV smaller",
+             "KV capacity (seqs)", "perplexity", "ppl change"] + [f"{t} acc" for t in tasks]
+            + ["mean acc", "recovery", "decode tok/s", "decode path"])
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     base = rows[0]
     for r in rows:
         acc, rec, change = mean_accuracy(r), recovery(r, base), perplexity_change(r, base)
-        cells = [r.name, f"{r.weight_bytes / MIB:,.1f}", r.kv_dtype, f"{r.kv_bytes_per_token:,.0f}",
+        cells = [r.name, f"{r.weight_bytes / MIB:,.1f} / {r.resident_weight_bytes / MIB:,.1f}", r.kv_dtype, f"{r.kv_bytes_per_token:,.0f}",
                  f"{kv_smaller(r, base):.2f}x", f"{r.kv_capacity_seqs:,}",
                  "-" if r.perplexity is None else f"{r.perplexity:,.2f}",
                  "-" if change is None else f"{change:+.2%}"]
         cells += [f"{r.accuracy[t]:.3f}" for t in tasks]
         cells += ["-" if acc is None else f"{acc:.3f}", "-" if rec is None else f"{rec:.1%}",
-                  f"{r.decode_tokens_per_s:,.1f} ({DTYPE_SHORT.get(r.decode_dtype, r.decode_dtype)})"]
+                  f"{r.decode_tokens_per_s:,.1f} ({DTYPE_SHORT.get(r.decode_dtype, r.decode_dtype)})", r.decode_path]
         lines.append("| " + " | ".join(cells) + " |")
     limit = "the pack's fixed per-task limits" if s.limit is None else f"first {s.limit} docs per task"
+    stride = max(1, s.context // 2)
     lines += [
         "",
-        f"- KV B/token: the shared formula at {s.seq_len} tokens, in the row's KV dtype (by default the one "
-        f"served: the checkpoint's kv_cache_scheme, else its KV plan's, else bf16); KV smaller and ppl change: "
-        f"against {base.name}. KV capacity: {s.seq_len}-token sequences admitted into a "
-        f"{s.kv_budget_bytes / GIB:g} GiB paged cache until allocation fails (runtime/cache/kv_report.py).",
-        f"- Perplexity: {rows[0].perplexity_detail or 'not measured'} (foundation/perplexity.py, kvslim runtime, "
+        f"- Context: {s.context} tokens for bytes and quality alike. KV B/token: the shared formula at {s.context} "
+        "tokens, in the row's KV dtype (by default the one served: the checkpoint's kv_cache_scheme, else its KV "
+        f"plan's, else bf16); KV smaller and ppl change: against {base.name}. KV capacity: {s.context}-token "
+        f"sequences admitted into a {s.kv_budget_bytes / GIB:g} GiB paged cache until allocation fails "
+        "(runtime/cache/kv_report.py).",
+        f"- Perplexity: {rows[0].perplexity_detail or 'not measured'}: windows of {s.context} tokens every "
+        f"{stride}, so every token after the first window is scored with {s.context - stride} to {s.context - 1} "
+        f"tokens before it, served by the kvslim runtime with the row's KV cache (foundation/perplexity.py; "
         f"{s.dtype} activations: each row's dtype is named in brackets after its decode tok/s). "
         + (f"Accuracy: lm-eval 0-shot, {limit}, on kvslim's engine (`--backend kvslim`); "
            f"recovery = mean over tasks of accuracy / {base.name}'s." if tasks else "No lm-eval task."),
@@ -198,7 +231,9 @@ def markdown_table(rows: list[CheckpointRow], s: ReportSettings) -> str:
         "kv_cache_scheme, else its KV plan's, else the activation dtype); activations "
         + ("auto (the runtime's choice on this CPU)" if s.decode_dtypes == ("auto",)
            else f"the fastest of {', '.join(s.decode_dtypes)} per checkpoint")
-        + ", named in brackets.",
+        + ", named in brackets. Decode path: the kernel most of the row's Linears ran and how its KV was stored. "
+        "Weights resident: bytes held once loaded for decoding (FP8 on a CPU is dequantized once, to 2 bytes "
+        "a weight in bf16).",
     ]
     return "\n".join(lines)
 
@@ -214,8 +249,8 @@ def plot(rows: list[CheckpointRow], path: Path, s: ReportSettings) -> None:
     panels = [
         ("Weights (MiB, on disk)", [r.weight_bytes / MIB for r in rows], "{:,.0f}"),
         ("KV cache (bytes/token)", [r.kv_bytes_per_token for r in rows], "{:,.0f}"),
-        (f"KV capacity ({s.seq_len}-token seqs in {s.kv_budget_bytes / GIB:g} GiB)", [r.kv_capacity_seqs for r in rows], "{:,.0f}"),
-        ("Perplexity (wikipedia:eval, lower is better)", [r.perplexity for r in rows], "{:,.2f}"),
+        (f"KV capacity ({s.context}-token seqs in {s.kv_budget_bytes / GIB:g} GiB)", [r.kv_capacity_seqs for r in rows], "{:,.0f}"),
+        (f"Perplexity (wikipedia:eval, context {s.context}; lower is better)", [r.perplexity for r in rows], "{:,.2f}"),
         ("Mean task accuracy (0-shot)", [mean_accuracy(r) for r in rows], "{:.3f}"),
         (f"Decode (tokens/s, {s.decode_batch} concurrent)", [r.decode_tokens_per_s for r in rows], "{:,.1f}"),
     ]
@@ -236,7 +271,8 @@ def plot(rows: list[CheckpointRow], path: Path, s: ReportSettings) -> None:
                      fontsize=6.5 if len(rows) > 6 else 8, padding=2)
         ax.set_ylim(0, max(heights) * 1.18 or 1.0)
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle("kvslim: bytes, quality and speed per checkpoint (measured on the kvslim runtime)", fontsize=13)
+    fig.suptitle(f"kvslim: bytes, quality and speed per checkpoint (kvslim runtime; bytes and perplexity at context "
+                 f"{s.context})", fontsize=13)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -250,6 +286,7 @@ def plot_pareto(rows: list[CheckpointRow], path: Path, s: ReportSettings) -> Non
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     base = rows[0]
     points = [(kv_smaller(r, base), 100 * perplexity_change(r, base), r.name) for r in rows
@@ -273,10 +310,11 @@ def plot_pareto(rows: list[CheckpointRow], path: Path, s: ReportSettings) -> Non
         lo, hi = min(p[0] for p in points) / 1.5, max(p[0] for p in points) * 1.5
         ticks = [t for t in (0.5, 1, 2, 4, 8, 16, 32, 64) if lo <= t <= hi]
         ax.set_xticks(ticks, [f"{t:g}x" for t in ticks])
+        ax.xaxis.set_minor_formatter(NullFormatter())  # no "3x10^0" between the plain ticks
     else:
         ax.text(0.5, 0.5, "perplexity not measured", ha="center", va="center", transform=ax.transAxes, color="gray")
-    ax.set_xlabel(f"KV bytes per token at {s.seq_len} tokens: times fewer than {base.name}")
-    ax.set_ylabel(f"perplexity change vs {base.name} (%)")
+    ax.set_xlabel(f"KV bytes per token at {s.context} tokens: times fewer than {base.name}")
+    ax.set_ylabel(f"perplexity change vs {base.name} at context {s.context} (%)")
     ax.grid(alpha=0.3, which="both")
     ax.set_title("kvslim: KV bytes vs quality (lower right is better)")
     fig.tight_layout()

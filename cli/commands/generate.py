@@ -69,6 +69,14 @@ def _names_a_model(text: str) -> bool:
     return text in NAMED_MODELS or path.is_dir() or (path.is_file() and path.suffix == ".gguf")
 
 
+def _resident_note(model) -> str:
+    from runtime.model.layers.linear import Fp8DequantizedLinear
+
+    if any(isinstance(m, Fp8DequantizedLinear) for m in model.modules()):
+        return "FP8 weights dequantized once at load: this CPU has no FP8 GEMM"
+    return "quantized weights packed"
+
+
 def format_stats(llm, num_prompt_tokens: int, completion) -> str:
     """Weight bytes (live tensors), the kernels chosen, KV bytes per token (layout formula), token counts."""
     from runtime.model.layers.linear import linear_kernels
@@ -81,7 +89,7 @@ def format_stats(llm, num_prompt_tokens: int, completion) -> str:
         f"activations: {llm.activation_dtype.describe()}",
         f"device: {llm.model.placement.describe()}",
         *([f"cpu kernels: {llm.model.cpu_kernels.describe()}"] if llm.model.cpu_kernels else []),
-        f"weights: {llm.weight_bytes() / 2**20:.1f} MiB resident (quantized weights packed)",
+        f"weights: {llm.weight_bytes() / 2**20:.1f} MiB resident ({_resident_note(llm.model)})",
         "linear kernels (one per GEMM; q/k/v and gate/up fused): " + ", ".join(f"{k} x{n}" for k, n in linear_kernels(llm.model).items()),
         f"kv cache: {kv / 1024:.2f} KiB/token at context {ctx} ({llm.kv_cache_dtype}); "
         f"{kv_short / 1024:.2f} KiB/token at this request's {num_prompt_tokens + len(completion.token_ids)} tokens",

@@ -24,14 +24,18 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
                    help=f"comma-separated eval tasks, at most one perplexity entry (default: {','.join(DEFAULT_TASKS)})")
     p.add_argument("--limit", type=int, help="docs per lm-eval task (default: the pack's fixed per-task limits)")
-    p.add_argument("--ppl-tokens", type=int, default=4096, help="perplexity tokens of wikipedia:eval (default 4096)")
+    p.add_argument("--ppl-tokens", type=int, default=None,
+                   help="perplexity tokens of wikipedia:eval (default: 4 contexts, so every row is scored over "
+                        "several full windows)")
     p.add_argument("--kv-budget-gib", type=float, default=1.0, help="KV cache budget for the capacity column (default 1)")
     p.add_argument("--decode-batch", type=int, default=8, help="concurrent requests of the decode benchmark (default 8)")
     p.add_argument("--decode-tokens", type=int, default=32, help="new tokens per decode request (default 32)")
     p.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], choices=list(KV_CACHE_DTYPES), metavar="D",
                    help="measure each checkpoint with each of these KV cache dtypes, one row each (default: "
                         f"auto; {', '.join(KV_CACHE_DTYPES)})")
-    p.add_argument("--ctx", type=int, help="perplexity context, stride half of it (default 512)")
+    p.add_argument("--ctx", type=int, default=2048,
+                   help="the context every figure is at: KV bytes per token and capacity at this many tokens, "
+                        "perplexity over windows of this many (stride half of it) (default 2048)")
     p.add_argument("--no-cache", action="store_true", help="re-run evals even when cached results exist")
     p.add_argument("-o", "--out", default="report", help="output directory (default ./report)")
     p.add_argument("--force", action="store_true", help="overwrite an existing output directory")
@@ -53,8 +57,11 @@ def run(args: argparse.Namespace) -> int:
     names = args.names.split(",") if args.names else None
     if names is not None and len(names) != len(args.checkpoints):
         raise KvslimError(f"--names has {len(names)} names for {len(args.checkpoints)} checkpoints")
+    if args.ctx < 2:
+        raise KvslimError(f"--ctx must be >= 2, got {args.ctx}")
+    ppl_tokens = args.ppl_tokens if args.ppl_tokens is not None else 4 * args.ctx
     for flag, v in (("--decode-batch", args.decode_batch), ("--decode-tokens", args.decode_tokens),
-                    ("--ppl-tokens", args.ppl_tokens)):
+                    ("--ppl-tokens", ppl_tokens)):
         if v < 2:
             raise KvslimError(f"{flag} must be >= 2, got {v}")
     if args.kv_budget_gib <= 0:
@@ -64,9 +71,7 @@ def run(args: argparse.Namespace) -> int:
     entries = [_entry(c) for c in args.checkpoints]
     paths = [resolve_model(c).resolve() for c, _ in entries]
     names = names or [p.name for p in paths]
-    if args.ctx is not None and args.ctx < 2:
-        raise KvslimError(f"--ctx must be >= 2, got {args.ctx}")
-    settings = ReportSettings(tasks=tasks, limit=args.limit, perplexity_tokens=args.ppl_tokens,
+    settings = ReportSettings(tasks=tasks, limit=args.limit, perplexity_tokens=ppl_tokens,
                               kv_budget_bytes=int(args.kv_budget_gib * GIB), decode_batch=args.decode_batch,
                               decode_new_tokens=args.decode_tokens, context=args.ctx)
     torch.set_num_threads(min(torch.get_num_threads(), 4))

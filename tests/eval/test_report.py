@@ -9,7 +9,7 @@ from cli.main import main
 from eval import results_cache
 from tests.tiny_models import make_tiny_checkpoint
 
-ARGS = ["--tasks", "arc_easy,ppl_wikipedia", "--limit", "3", "--ppl-tokens", "200",
+ARGS = ["--tasks", "arc_easy,ppl_wikipedia", "--limit", "3", "--ppl-tokens", "200", "--ctx", "128",
         "--kv-budget-gib", "0.01", "--decode-batch", "2", "--decode-tokens", "4"]
 
 
@@ -46,7 +46,12 @@ def test_report_table_plot_and_json(variants, tmp_path, capsys):
     assert mqa["kv_bytes_per_token"] == orig["kv_bytes_per_token"] / 2
     assert mqa["kv_capacity_seqs"] >= 2 * orig["kv_capacity_seqs"] - 1
     assert all(r["decode_tokens_per_s"] > 0 and r["decode_dtype"] in ("float32", "bfloat16") for r in data["rows"])
-    assert "wikipedia:eval, first 200 tokens" in table
+    assert "wikipedia:eval, first 200 tokens, context 128, stride 64" in table
+    assert "Context: 128 tokens for bytes and quality alike" in table
+    # the decode column says which path ran: FP8 weights dequantized once on a CPU, FP8 KV
+    assert fp8["decode_path"] == "FP8 dequantized once at load (dense GEMM); fp8_e4m3 KV"
+    assert orig["decode_path"].startswith("dense GEMM; ")
+    assert fp8["resident_weight_bytes"] > fp8["weight_bytes"]  # FP8 resident in the activation dtype
 
 
 def test_kv_dtype_rows_and_pareto(variants, tmp_path, capsys):
@@ -100,7 +105,7 @@ def test_recovery_is_mean_ratio_over_tasks_the_baseline_scores():
     from eval.report import CheckpointRow, recovery
 
     def row(acc):
-        return CheckpointRow("x", "x", 1, "bf16", 1.0, 1, None, None, acc, 1.0, "float32")
+        return CheckpointRow("x", "x", 1, "bf16", 1.0, 1, None, None, acc, 1.0, "float32", "dense GEMM; bf16 KV", 1)
 
     base = row({"a": 0.5, "b": 0.8, "c": 0.0})
     assert recovery(base, base) == 1.0

@@ -3,6 +3,9 @@
 - ``DenseLinear``: fp32 / bf16 / fp16 weights.
 - ``Fp8Linear``: ``float-quantized`` FP8 E4M3 weight + scale; dequantized per forward; with the
   FP8_DYNAMIC scheme the input is fake-quantized to FP8 per token first (what an FP8 GEMM sees).
+- ``Fp8DequantizedLinear``: the same on a CPU, which has no FP8 GEMM: the weight dequantized once
+  at load into the activation dtype (2x the FP8 bytes resident in bf16), so decode runs at the
+  dense model's speed instead of dequantizing every weight on every forward.
 - ``W8A8Linear``: ``int-quantized`` INT8 per-channel weight + scale (W8A8). The input is quantized
   per token to INT8 (compressed-tensors' dynamic symmetric token quantization) and multiplied by
   the INT8 weight with ``torch._int_mm`` (int32 accumulation), then rescaled by the token and
@@ -15,8 +18,8 @@
   kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``), used with bf16
   activations, where they beat dequantize-then-matmul; same bytes as the packed weights.
 
-Weights stay compressed in memory: every class holds at most the on-disk bytes of its weight plus
-a small per-group overhead. ``make_linear`` picks the class.
+Weights stay compressed in memory (every class but ``Fp8DequantizedLinear`` holds at most the
+on-disk bytes of its weight plus a small per-group overhead). ``make_linear`` picks the class.
 """
 from __future__ import annotations
 
@@ -119,6 +122,25 @@ class Fp8Linear(_QuantizedLinear):
         if self.scheme.input_activations is not None:
             x = fake_quantize_fp8_per_token(x)
         return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
+
+
+class Fp8DequantizedLinear(_QuantizedLinear):
+    """FP8 weights for a device without FP8 GEMMs: dequantized once, stored in the activation dtype."""
+
+    kernel = "FP8 dequantized once at load (dense GEMM)"
+
+    def __init__(self, tensors: dict[str, torch.Tensor], scheme: QuantScheme, bias, dtype):
+        super().__init__(scheme, tuple(tensors["weight"].shape), bias, dtype)
+        weight = dequantize_linear({"weight": tensors["weight"], "weight_scale": tensors["weight_scale"]}, scheme)
+        _buffer(self, "weight", weight.to(dtype))
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scheme.input_activations is not None:
+            x = fake_quantize_fp8_per_token(x)
+        return F.linear(x, self.weight.to(x.dtype), self.bias)
 
 
 class W8A8Linear(_QuantizedLinear):
@@ -254,7 +276,8 @@ def make_linear(
 
     ``scheme`` is the declared quantization of this Linear (``None``: floating point).
     ``use_cpu_kernels=False`` forces the dequantize-per-forward path (the numerical reference; for
-    W8A8: fake-quantized activations times the dequantized weight instead of ``torch._int_mm``).
+    W8A8: fake-quantized activations times the dequantized weight instead of ``torch._int_mm``);
+    with it (the loader's choice on a CPU), FP8 weights are dequantized once at load.
     ``kernels="triton"``: weight-only INT4/INT8 and FP8 Linears run the Triton dequant-matmul
     (``KernelLinear``; ``interpreted``: forced on the CPU, under Triton's interpreter).
     ``int8_gemm=False``: W8A8 never calls ``torch._int_mm`` (a CPU without VNNI, where torch's
@@ -270,7 +293,7 @@ def make_linear(
     if not scheme.is_packed:
         if scheme.type != "float":
             return W8A8Linear(tensors, scheme, bias, dtype, use_int_mm=use_cpu_kernels and int8_gemm)
-        return Fp8Linear(tensors, scheme, bias, dtype)
+        return (Fp8DequantizedLinear if use_cpu_kernels else Fp8Linear)(tensors, scheme, bias, dtype)
     if use_cpu_kernels and Int4PackLinear.supports(scheme, tensors, dtype):
         return Int4PackLinear(tensors, scheme, bias, dtype)
     if use_cpu_kernels and Int8PackLinear.supports(scheme, tensors, dtype):
