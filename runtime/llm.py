@@ -111,6 +111,8 @@ class LLM:
         self.kv_cache_dtype = kv_cache_dtype or planned_kv_dtype(self.path) or MODEL_KV_DTYPES[self.dtype]
         block = default_block_size(self.kv_cache_dtype)
         self.kv_spec = KVCacheSpec.from_layout(self.spec.attention, self.kv_cache_dtype, block)  # refuses a bad name
+        self._engine_kept: Engine | None = None
+        self._engine_size: tuple[int, int] | None = None  # (longest sequence, sequences) its cache holds
 
     # --- setup -------------------------------------------------------------------------------
     def _load_tokenizer(self):
@@ -222,15 +224,25 @@ class LLM:
         return requests
 
     def _engine(self, requests: list[_Request]) -> Engine:
-        """An engine over this model, its paged cache sized for these requests (every running
-        sequence at its longest, plus one)."""
+        """The engine over this model, kept across calls (its prefix cache, and on a GPU its captured
+        decode graphs, with it). Its paged cache holds every running sequence at its longest, plus
+        one; a call that needs more replaces it with one sized for that (never smaller)."""
         longest = min(max(len(r.prompt_ids) + r.params.max_tokens for r in requests), self.max_model_len)
-        return Engine.sized_for(self.model, longest, min(len(requests), self.max_num_seqs),
-                                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.prefill_chunk,
-                                enable_prefix_caching=True, kv_dtype=self.kv_cache_dtype)
+        seqs = min(len(requests), self.max_num_seqs)
+        if self._engine_size is not None:
+            held_longest, held_seqs = self._engine_size
+            if held_longest >= longest and held_seqs >= seqs:
+                return self._engine_kept
+            longest, seqs = max(longest, held_longest), max(seqs, held_seqs)
+            self._engine_kept = None  # its cache is freed before the larger one is allocated
+        self._engine_kept = Engine.sized_for(self.model, longest, seqs, max_num_seqs=self.max_num_seqs,
+                                             max_num_batched_tokens=self.prefill_chunk, enable_prefix_caching=True,
+                                             kv_dtype=self.kv_cache_dtype)
+        self._engine_size = (longest, seqs)
+        return self._engine_kept
 
     def _run(self, requests: list[_Request]) -> Iterator[_Request]:
-        """Run ``requests`` on a fresh engine; yield each request whenever it changes."""
+        """Run ``requests`` on the kept engine; yield each request whenever it changes."""
         engine = self._engine(requests)
         by_id = {engine.add_request(r.prompt_ids, r.params): r for r in requests}
         try:

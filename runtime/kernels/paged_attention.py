@@ -242,8 +242,19 @@ class LaunchPlan:
         """The output, split partial softmaxes merged."""
         if self.splits == 1:
             return self.out
-        weights = torch.softmax(self.lse * math.log(2.0), dim=0)  # base-2 lse -> natural, over splits
-        return (weights.unsqueeze(-1) * self.target).sum(0).to(self.out.dtype)
+        return merge_splits(self.lse, self.target).to(self.out.dtype)
+
+
+def merge_splits(lse: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
+    """Partial outputs ``[splits, T, H, D]`` weighted by their softmax mass (base-2 log-sum-exp
+    ``[splits, T, H]``), NaN-safe: a row no split saw a key for (a padded row, context 0) is zeros."""
+    lse = lse * math.log(2.0)
+    top = lse.amax(0, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weights = torch.exp(lse - top)
+    total = weights.sum(0, keepdim=True)
+    weights = weights / torch.where(total > 0, total, torch.ones_like(total))
+    return (weights.unsqueeze(-1) * partial).sum(0)
 
 
 def plan_launch(q: torch.Tensor, kvh: int, num_seqs: int, max_query_len: int, max_context_len: int,

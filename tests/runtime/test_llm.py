@@ -48,6 +48,19 @@ def test_batched_equals_one_by_one(llama_llm):
     assert [o.outputs[0].token_ids for o in small_waves.generate(PROMPTS, GREEDY)] == together
 
 
+def test_one_engine_is_kept_across_calls_and_grows_when_needed(tiny_checkpoints):
+    llm = LLM(tiny_checkpoints["llama"])
+    first = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    engine = llm._engine_kept
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:1], GREEDY)] == first[:1]
+    assert llm._engine_kept is engine  # smaller work: the same engine (and its prefix cache)
+    longer = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    llm.generate(PROMPTS, longer)
+    assert llm._engine_kept is not engine and llm._engine_size >= (len(PROMPTS[2]) + 200, len(PROMPTS))
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == first
+    assert not llm._engine_kept.has_unfinished
+
+
 def test_prompt_and_token_logprobs_equal_transformers(llama_llm, tiny_checkpoints):
     prompt = PROMPTS[2]
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=6, logprobs=3, prompt_logprobs=2, ignore_eos=True)
