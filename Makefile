@@ -34,14 +34,14 @@ bench: install
 	$(PYTHON) benchmarks/cpu_paged_decode_attention.py --seqs 1 8 --json runs/cpu_paged_decode_attention.json
 
 ## On a lent GPU (the environment already set up: GPU machines reach no package index): the GPU
-## kernel tests, then the kernel roofline, paged attention and the engine against HF transformers
-## on the GPU, each writing JSON under benchmarks/results/.
+## kernel tests, then the kernel roofline, paged attention, and decode: the engine eager and with
+## CUDA graphs against HF eager and HF static-cache compiled, then KV dtypes on an 8B-shaped model
+## (random weights: nothing to carry), each writing JSON under benchmarks/results/.
 bench-gpu:
 	TRITON_INTERPRET= $(PYTHON) -m pytest -q -p no:cacheprovider -m gpu tests/runtime/kernels
 	$(PYTHON) benchmarks/kernels_roofline.py --out benchmarks/results/kernels_roofline.json
 	$(PYTHON) benchmarks/paged_attention_bench.py --out benchmarks/results/paged_attention.json
-	$(PYTHON) -m cli quantize smollm2 --int4 --method rtn -o runs/smollm2-w4a16 --force
-	$(PYTHON) benchmarks/gpu_engine.py --checkpoints runs/smollm2-w4a16 --json benchmarks/results/gpu_engine.json
+	$(PYTHON) benchmarks/gpu_decode.py --json benchmarks/results/gpu_decode.json
 
 ## The server soak (minutes): load, disconnects, fuzz, stalled connections, preemption, greedy
 ## repeatability against `compress serve` on the default model; exits non-zero on any 5xx or leak.

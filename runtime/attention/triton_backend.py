@@ -54,14 +54,17 @@ class KernelAttentionBackend:
         self._fresh: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._rotary: StepKeyRotary | None = None
 
-    def set_batch(self, batch: PagedBatch) -> None:
+    def set_batch(self, batch: PagedBatch, max_context_len: int | None = None) -> None:
+        """``max_context_len``: launch the attention for this context whatever the batch holds (a
+        CUDA graph's fixed launch shape; each program still reads only its sequence's keys)."""
         self.batch = batch
         self._fresh = {}
         self._rotary = StepKeyRotary(batch.positions)
         if self._takes_maxima:
             self._maxima = dict(
                 max_query_len=max(batch.query_lens, default=0),
-                max_context_len=max((f + n for f, n in zip(batch.first_positions, batch.query_lens)), default=0),
+                max_context_len=max_context_len if max_context_len is not None else
+                max((f + n for f, n in zip(batch.first_positions, batch.query_lens)), default=0),
             )
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:

@@ -227,6 +227,10 @@ class BlockManager:
                     freed += 1
         return freed
 
+    def commit_due(self, seq_id: int, num_computed: int) -> bool:
+        """Whether ``commit`` has a new full block of ``seq_id`` to index (O(1): most steps have none)."""
+        return self.prefix_caching and num_computed // self.block_size > len(self._hashes[seq_id])
+
     def commit(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
         """Index ``seq_id``'s full blocks among its first ``num_computed`` tokens in the prefix cache."""
         if not self.prefix_caching:

@@ -43,7 +43,8 @@ from runtime.engine.sampling import (
     sample,
     token_logprobs,
 )
-from runtime.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from runtime.engine.cuda_graphs import CudaDecodeGraphs, DecodeRow, DecodeShape
+from runtime.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from runtime.engine.sequence import Sequence
 from runtime.model.decode_graphs import DecodeGraphs
 from runtime.model.decoder import Decoder
@@ -61,10 +62,10 @@ class KVBudgetTooSmall(KvslimError):
         self.budget_bytes, self.max_model_len = budget_bytes, max_model_len
         self.longest_fitting = spec.longest_fitting(budget_bytes, chunk, max_model_len)
         self.budget_needed = spec.smallest_budget(max_model_len, chunk)
-        fits = (f"max_model_len <= {self.longest_fitting} fits it" if self.longest_fitting
-                else "no sequence fits it")
-        super().__init__(f"a KV cache of {budget_bytes / MIB:.0f} MiB cannot hold one sequence of max_model_len="
-                         f"{max_model_len} tokens, which needs {self.budget_needed // MIB} MiB; {fits}")
+        size = f"{budget_bytes / MIB:.0f} MiB" if budget_bytes >= MIB else f"{budget_bytes >> 10} KiB"
+        shorter = f"lower max_model_len to {self.longest_fitting} or " if self.longest_fitting else ""
+        super().__init__(f"a KV cache of {size} cannot hold one sequence of max_model_len={max_model_len} tokens: "
+                         f"{shorter}raise kv_cache_bytes to {self.budget_needed // MIB} MiB")
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str | None = None  # a name in runtime.attention.registry; None: by the model's kernels
     compile_decode: bool = False  # CPU: decode steps padded to fixed batch sizes and compiled (runtime.model.decode_graphs)
+    enforce_eager: bool = False  # CUDA: no decode graphs (runtime.engine.cuda_graphs; vLLM's name)
 
 
 @dataclass
@@ -166,12 +168,22 @@ class Engine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.block_manager
         )
         self.graphs = DecodeGraphs(model, config.max_num_seqs) if config.compile_decode else None
+        self.cuda_graphs = self._cuda_graphs(backend)
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._sent: dict[int, int] = {}  # tokens already reported per request
         self._generators: dict[int, torch.Generator | None] = {}
         self._prompt_logprobs: dict[int, list[TokenLogprob | None]] = {}
+
+    def _cuda_graphs(self, backend: str) -> CudaDecodeGraphs | None:
+        """Decode replayed from CUDA graphs: on by default on CUDA with the Triton kernels, except
+        with packed int4/int2 KV (its writes plan on the host) or ``enforce_eager``."""
+        if (self.device.type != "cuda" or self.config.enforce_eager or backend != "triton"
+                or any(g.bits for g in self.kv_spec.groups)):
+            return None
+        shape = DecodeShape(self.config.max_num_seqs, self.block_size, self.max_model_len, len(self.kv_spec.groups))
+        return CudaDecodeGraphs(self.model, self.backend, shape)
 
     def _kv_budget(self) -> int:
         """Bytes for the block pools: the configured figure, else by device."""
@@ -246,8 +258,10 @@ class Engine:
         """Schedule, run one decoder call, sample, postprocess. Returns outputs of the requests
         that produced a token (or finished) this step.
 
-        The decoder runs eagerly unless ``compile_decode``: then pure decode steps run the decoder
-        compiled for a fixed batch size (``runtime.model.decode_graphs``); prefill stays eager."""
+        Pure decode steps replay a CUDA graph per batch-size bucket on a GPU
+        (``runtime.engine.cuda_graphs``, unless ``enforce_eager``) or, with ``compile_decode``, run
+        the decoder compiled per bucket on the CPU (``runtime.model.decode_graphs``); prefill and
+        mixed steps run eagerly."""
         out = self.scheduler.schedule()
         self.stats.preemptions += len(out.preempted)
         if not out.scheduled:
@@ -262,33 +276,25 @@ class Engine:
         return [self._output(s.seq) for s in out.scheduled if s.samples]
 
     def _run(self, out: SchedulerOutput) -> dict[int, int]:
+        """Prepare the step's inputs, run the decoder (eager, compiled on the CPU or a replayed CUDA
+        graph for pure decode steps), then sample the sequences that reached their last token."""
         sched = out.scheduled
-        ids: list[int] = []
+        starts = [0]
         for s in sched:
-            ids.extend(s.seq.token_ids[s.first_position:s.first_position + s.num_new_tokens])
+            starts.append(starts[-1] + s.num_new_tokens)
             if s.first_position < s.seq.num_prompt_tokens:
                 self.stats.prompt_tokens_computed += min(s.num_new_tokens, s.seq.num_prompt_tokens - s.first_position)
-        batch = PagedBatch.build(
-            self.block_size,
-            [s.first_position for s in sched],
-            [s.num_new_tokens for s in sched],
-            [self.block_manager.block_tables(s.seq.seq_id) for s in sched],
-            self.device,
-        )
-        self.backend.set_batch(batch)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        if self.graphs is not None and len(ids) == len(sched):  # a pure decode step
-            hidden = self.graphs.run(input_ids, batch.positions, self.backend)
-        else:
-            hidden = self.model(input_ids, batch.positions, self.backend)
-        starts = batch.query_start_loc.tolist()
+        hidden = self._graphed_decode(sched)
+        if hidden is None:
+            hidden = self._eager_forward(sched)
         for i, s in enumerate(sched):
             if s.seq.seq_id in self._prompt_logprobs:
                 self._score_prompt(s.seq, s.first_position, hidden[starts[i]:starts[i + 1]])
         rows = [i for i, s in enumerate(sched) if s.samples]
         if not rows:
             return {}
-        logits = self.model.compute_logits(hidden[[starts[i + 1] - 1 for i in rows]])
+        last = hidden if len(rows) == hidden.shape[0] else hidden[[starts[i + 1] - 1 for i in rows]]
+        logits = self.model.compute_logits(last)
         seqs = [sched[i].seq for i in rows]
         tokens, logprobs = sample(logits, [q.sampling for q in seqs], [self._generators[q.seq_id] for q in seqs])
         sampled = {}
@@ -298,6 +304,34 @@ class Engine:
                 seq.output_logprobs.append(lp)
         self.stats.generated_tokens += len(seqs)
         return sampled
+
+    def _graphed_decode(self, sched: Seq[ScheduledSeq]) -> torch.Tensor | None:
+        """Hidden states of a pure decode step replayed from a CUDA graph, or None where the step
+        is not one (a prefill chunk in it, prompt logprobs wanted, no graphs on this engine)."""
+        graphs = self.cuda_graphs
+        if graphs is None or len(sched) > graphs.shape.max_rows or any(
+                s.num_new_tokens != 1 or s.seq.seq_id in self._prompt_logprobs for s in sched):
+            return None
+        tables = self.block_manager.block_tables
+        return graphs.run([DecodeRow(s.seq.token_slice(s.first_position, s.first_position + 1)[0], s.first_position,
+                                     tables(s.seq.seq_id)) for s in sched])
+
+    def _eager_forward(self, sched: Seq[ScheduledSeq]) -> torch.Tensor:
+        ids: list[int] = []
+        for s in sched:
+            ids.extend(s.seq.token_slice(s.first_position, s.first_position + s.num_new_tokens))
+        batch = PagedBatch.build(
+            self.block_size,
+            [s.first_position for s in sched],
+            [s.num_new_tokens for s in sched],
+            [self.block_manager.block_tables(s.seq.seq_id) for s in sched],
+            self.device,
+        )
+        self.backend.set_batch(batch)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        if self.graphs is not None and len(ids) == len(sched):  # a pure decode step, compiled on the CPU
+            return self.graphs.run(input_ids, batch.positions, self.backend)
+        return self.model(input_ids, batch.positions, self.backend)
 
     def _score_prompt(self, seq: Sequence, first: int, hidden: torch.Tensor) -> None:
         """Append the logprobs of the prompt tokens this chunk's rows predict (once each)."""

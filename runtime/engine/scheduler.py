@@ -131,7 +131,8 @@ class Scheduler:
         for s in out.scheduled:
             seq = s.seq
             seq.num_computed_tokens = s.first_position + s.num_new_tokens
-            self.bm.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            if self.bm.commit_due(seq.seq_id, seq.num_computed_tokens):  # a block filled: index it
+                self.bm.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             if not s.samples:
                 continue
             token = sampled[seq.seq_id]

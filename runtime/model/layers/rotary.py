@@ -14,8 +14,10 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, rope: RopeSpec, head_dim: int, max_position_embeddings: int) -> None:
         super().__init__()
-        # A plain attribute, not a buffer: derived from the config, not a weight.
-        self.inv_freq, self.attention_scaling = rope_frequencies(rope, head_dim, max_position_embeddings)
+        inv_freq, self.attention_scaling = rope_frequencies(rope, head_dim, max_position_embeddings)
+        # A buffer that no checkpoint holds: it follows the model to its device (a CUDA graph
+        # cannot copy it there on every forward).
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions ``[T]`` -> ``(cos, sin)`` each ``[T, 1, head_dim]`` in ``dtype``."""

@@ -104,3 +104,42 @@ def test_gpu_engine_smoke_through_the_interpreter(tiny_with_tokenizer, tmp_path)
     doc = json.loads(out.read_text())
     assert doc["greedy_agreement"]["ok"] and doc["kernels"] == "triton"
     assert all(set(row) == {"2"} for row in doc["rows"].values()) and len(doc["rows"]) == 2
+
+
+def test_gpu_decode_without_cuda_is_one_line(tmp_path, capsys):
+    out = tmp_path / "d.json"
+    assert script("gpu_decode").main(["--json", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "CUDA" in err and not out.exists()
+
+
+def test_gpu_decode_random_checkpoint_loads_and_reports():
+    """The 8B-shaped model exists only as shapes: the loader builds it (here 1 layer of a small
+    config) and the tables read the rows as the script writes them."""
+    from runtime.model.loader import load_model
+
+    gpu_decode = script("gpu_decode")
+    config = {**gpu_decode.LLAMA3_8B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 300}
+    model = load_model(gpu_decode.RandomCheckpoint(config).ckpt, "float32")
+    hidden = model(torch.tensor([1, 2, 3]), torch.arange(3), _NoAttention())
+    assert hidden.shape == (3, 64) and torch.isfinite(hidden).all()
+
+    class Ref:  # what HF generate returns with scores: 2 prompts, 3 new tokens
+        sequences = torch.tensor([[9, 1, 2, 3], [9, 4, 5, 6]])
+        scores = [torch.tensor([[1.0, 0.0, 0.99], [0.0, 2.0, 0.0]])] * 3
+
+    a = gpu_decode.agreement([[1, 2, 3], [4, 7, 6]], Ref)
+    assert [p["agree"] for p in a["prompts"]] == [3, 1] and a["prompts"][1]["fp32_top2_gap_where_parted"] == 2.0
+    assert not a["parted_only_at_near_ties"]
+    doc = {"rows": {"HF static cache + compile bf16": {1: {"tok_s": 100.0}}, "kvslim CUDA graphs bf16": {1: {"tok_s": 150.0}}},
+           "greedy_vs_fp32": {"kvslim CUDA graphs bf16": a},
+           "kv_rows": {"bf16": {"decode_tok_s": 10.0, "capacity_seqs": 32, "cuda_graphs": True},
+                       "int4": {"decode_tok_s": 15.0, "capacity_seqs": 110, "cuda_graphs": False}}}
+    text = gpu_decode.table(doc)
+    assert "| kvslim CUDA graphs bf16 | 150.0 (1.50x) | 3 1 |" in text and "| int4 | 15.0 | 1.50x | 110 | eager |" in text
+
+
+class _NoAttention:
+    def attend(self, layer_idx, q, k, v):
+        return torch.zeros_like(q)

@@ -75,6 +75,30 @@ def test_decode_split_merges_to_the_unsplit_result(device):
     torch.testing.assert_close(one, many, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_row_with_context_0_is_zeros_not_nan(device, splits):
+    """A CUDA graph's padded rows: no key to read. The kernel and the split merge give zeros, and
+    the real rows beside them their own results (launched for a longer context than any holds)."""
+    b = make_paged_batch([37, 20], [1, 1], 4, 2, 16, torch.float32, None, device=device)
+    alone = pa.paged_attention(*b.args(), scale=0.25, num_splits=splits)
+    padded_ctx = torch.cat([b.context_lens, torch.zeros(2, dtype=torch.int32, device=device)])
+    qsl = torch.arange(5, dtype=torch.int32, device=device)
+    tables = torch.cat([b.block_tables, torch.zeros_like(b.block_tables)])
+    q = torch.cat([b.q, torch.randn_like(b.q)])
+    out = pa.paged_attention(q, b.k_cache, b.v_cache, tables, padded_ctx, qsl, scale=0.25, num_splits=splits,
+                             max_query_len=1, max_context_len=96)
+    assert torch.equal(out[2:], torch.zeros_like(out[2:]))
+    tol = 1e-2 if device.type == "cuda" else 1e-5
+    torch.testing.assert_close(out[:2], alone, rtol=tol, atol=tol)
+
+
+def test_split_merge_of_rows_no_split_saw_is_zeros():
+    lse = torch.tensor([[[float("-inf")], [1.0]], [[float("-inf")], [float("-inf")]]])  # [splits 2, T 2, H 1]
+    partial = torch.ones(2, 2, 1, 4)
+    merged = pa.merge_splits(lse, partial)
+    assert torch.equal(merged[0], torch.zeros(1, 4)) and torch.equal(merged[1], torch.ones(1, 4))
+
+
 def test_shared_kv_layer_reads_the_owner_cache():
     """A layer with kv_source != itself passes the owner's tensors: nothing else changes."""
     b = make_paged_batch(CTX, QLEN, 4, 2, 16, torch.float32, None)

@@ -1,0 +1,197 @@
+"""Decode steps replayed from CUDA graphs, one per batch-size bucket (vLLM's and nano-vllm's recipe).
+
+    graphs = CudaDecodeGraphs(model, backend, DecodeShape(max_rows=64, block_size=16, max_model_len=4096,
+                                                          num_groups=1))
+    hidden = graphs.run([DecodeRow(token, position, tables), ...])   # one new token per sequence
+
+A small model's decode step is ~1,000 kernel launches: from Python each costs tens of microseconds
+of host time, replayed from a graph a few. Every input a step reads lives in a persistent device
+buffer (``DecodeInputs``) sized for the largest bucket; a step writes the buffers' pinned host
+mirrors and copies each with one non-blocking copy, then replays the graph of the smallest bucket
+(1, 2, 4, 8, 16, 24, ... up to ``max_rows``) that holds its rows. Padded rows write nowhere (slot
+-1) and read nothing (context 0: the attention kernel yields zeros for them and the split merge
+stays NaN-free). The attention kernels are launched for the longest context (``max_model_len``)
+with a split count fixed per bucket; each program reads only the keys its sequence holds.
+
+The captured forward creates no tensor from host data and reads nothing back: a sync inside a
+capture is an error on CUDA, and ``tests/runtime/engine/test_cuda_graphs.py`` records it on the
+CPU, where ``capture=False`` runs the same static-buffer forward eagerly (Triton's interpreter).
+Packed int4/int2 KV plans its block quantization on the host, so those caches decode eagerly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from runtime.attention.paged import PagedBatch
+
+
+def graph_buckets(max_rows: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then every multiple of 8 below ``max_rows``, then ``max_rows`` (vLLM's sizes)."""
+    sizes = {b for b in (1, 2, 4) if b < max_rows} | set(range(8, max_rows, 8)) | {max_rows}
+    return tuple(sorted(sizes))
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """What the persistent buffers are sized for."""
+
+    max_rows: int  # max_num_seqs
+    block_size: int
+    max_model_len: int
+    num_groups: int  # cache groups (each has its own block table and slots)
+
+    @property
+    def table_width(self) -> int:
+        """Block-table columns: every logical block of the longest sequence (windows keep theirs, released)."""
+        return -(-self.max_model_len // self.block_size)
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    """One decoding sequence: its new token, that token's position, its block table per group."""
+
+    token: int
+    position: int
+    tables: Sequence[Sequence[int]]  # released window blocks are -1
+
+
+class DecodeInputs:
+    """The persistent device buffers one decode step reads, and their pinned host mirrors."""
+
+    def __init__(self, shape: DecodeShape, device: torch.device):
+        self.shape = shape
+        n, g, w = shape.max_rows, shape.num_groups, shape.table_width
+        pin = device.type == "cuda"
+
+        def pair(size: tuple[int, ...], dtype: torch.dtype, fill: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+            host = torch.full(size, fill, dtype=dtype, pin_memory=pin)
+            return host, host.to(device)
+
+        self._ids = pair((n,), torch.long)
+        self._positions = pair((n,), torch.long)
+        self._context_lens = pair((n,), torch.int32)
+        self._slots = [pair((n,), torch.long, -1) for _ in range(g)]
+        self._tables = [pair((n, w), torch.int32) for _ in range(g)]
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # one token per row
+        self.rows = torch.arange(n, dtype=torch.long, device=device)
+        self._pairs = [self._ids, self._positions, self._context_lens, *self._slots, *self._tables]
+        # numpy views of the host mirrors, made once: a step writes them without touching torch
+        self._np_ids, self._np_positions, self._np_context_lens = (
+            p[0].numpy() for p in (self._ids, self._positions, self._context_lens))
+        self._np_slots = [s[0].numpy() for s in self._slots]
+        self._np_tables = [t[0].numpy() for t in self._tables]
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self._ids[1]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._positions[1]
+
+    def fill(self, rows: Sequence[DecodeRow], bucket: int) -> None:
+        """Write ``rows`` then padding up to ``bucket`` on the host, and copy to the device."""
+        bs = self.shape.block_size
+        ids, pos, ctx = self._np_ids, self._np_positions, self._np_context_lens
+        slots, tables = self._np_slots, self._np_tables
+        for i, row in enumerate(rows):
+            p = row.position
+            ids[i], pos[i], ctx[i] = row.token, p, p + 1
+            for g, table in enumerate(row.tables):
+                tables[g][i, :len(table)] = table
+                slots[g][i] = table[p // bs] * bs + p % bs
+        n = len(rows)
+        ids[n:bucket], pos[n:bucket], ctx[n:bucket] = 0, 0, 0
+        for g in range(self.shape.num_groups):
+            slots[g][n:bucket] = -1
+            tables[g][:bucket].clip(min=0, out=tables[g][:bucket])  # released window blocks are never read
+        for host, dev in self._pairs:
+            dev.copy_(host, non_blocking=True)
+
+    def pad_all(self) -> None:
+        """Every row padding (what a capture runs on: it writes and reads nothing)."""
+        self.fill((), self.shape.max_rows)
+
+    def batch(self, bucket: int) -> PagedBatch:
+        """The first ``bucket`` rows as the attention backends' step metadata (views)."""
+        return PagedBatch(
+            block_size=self.shape.block_size,
+            query_lens=(1,) * bucket,
+            first_positions=(0,) * bucket,  # unused by the kernel backend: it reads context_lens
+            positions=self.positions[:bucket],
+            query_start_loc=self.query_start_loc[:bucket + 1],
+            context_lens=self._context_lens[1][:bucket],
+            block_tables=tuple(t[1][:bucket] for t in self._tables),
+            slot_mapping=tuple(s[1][:bucket] for s in self._slots),
+            decode_seqs=self.rows[:bucket],
+            decode_rows=self.rows[:bucket],
+        )
+
+
+class CudaDecodeGraphs:
+    """A decoder's decode step captured per bucket over ``DecodeInputs`` (``capture=False``: the
+    same static-buffer forward run eagerly, for tests without CUDA)."""
+
+    def __init__(self, model: nn.Module, backend, shape: DecodeShape, capture: bool = True):
+        """``backend``: the kernel attention backend (``set_batch`` takes a fixed ``max_context_len``)."""
+        self.model, self.backend, self.shape = model, backend, shape
+        self.capture = capture
+        self.buckets = graph_buckets(shape.max_rows)
+        self.inputs = DecodeInputs(shape, model.device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._pool = None
+        self.steps = 0  # decode steps run through the static buffers
+
+    @property
+    def captured_buckets(self) -> tuple[int, ...]:
+        return tuple(sorted(self._graphs))
+
+    def bucket(self, rows: int) -> int:
+        for b in self.buckets:
+            if b >= rows:
+                return b
+        raise ValueError(f"{rows} decode rows exceed the largest bucket {self.buckets[-1]}")
+
+    @torch.inference_mode()
+    def capture_all(self) -> tuple[int, ...]:
+        """Capture every bucket now, largest first (they share one memory pool), as vLLM does at
+        start-up; returns the sizes captured."""
+        todo = [b for b in reversed(self.buckets) if b not in self._graphs]
+        for b in todo:
+            self._capture(b)
+        return tuple(todo)
+
+    def run(self, rows: Sequence[DecodeRow]) -> torch.Tensor:
+        """Final-normed hidden ``[len(rows), hidden]`` of the decode step (``Decoder.forward``'s contract)."""
+        n = len(rows)
+        b = self.bucket(n)
+        if self.capture and b not in self._graphs:
+            self._capture(b)
+        self.inputs.fill(rows, b)
+        self.steps += 1
+        if not self.capture:
+            return self._forward(b)[:n]
+        self._graphs[b].replay()
+        return self._outputs[b][:n]
+
+    def _forward(self, b: int) -> torch.Tensor:
+        self.backend.set_batch(self.inputs.batch(b), max_context_len=self.shape.max_model_len)
+        return self.model(self.inputs.ids[:b], self.inputs.positions[:b], self.backend)
+
+    def _capture(self, b: int) -> None:
+        self.inputs.pad_all()  # the warm-up and the capture write and read no cache row
+        stream = torch.cuda.Stream(self.model.device)
+        stream.wait_stream(torch.cuda.current_stream(self.model.device))
+        with torch.cuda.stream(stream):  # Triton's compiles and cuBLAS's choices happen outside the graph
+            self._forward(b)
+        torch.cuda.current_stream(self.model.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._outputs[b] = self._forward(b)
+        self._pool = graph.pool()
+        self._graphs[b] = graph
