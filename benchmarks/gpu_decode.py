@@ -54,7 +54,7 @@ def sync() -> None:
 
 def free_cached() -> None:
     if DEVICE.type == "cuda":
-        free_cached()
+        torch.cuda.empty_cache()
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -295,8 +295,13 @@ def table(doc: dict) -> str:
                      + f" | greedy vs fp32 (tokens agreed of {n}, per prompt) |")
         lines.append("|---|" + "---:|" * len(cs) + "---|")
         for name, r in rows.items():
-            cells = [f"{r[c]['tok_s']:,.1f}" + (f" ({r[c]['tok_s'] / hf[c]['tok_s']:.2f}x)" if c in hf and
-                                                 name.startswith("kvslim") else "") for c in cs]
+            cells = []
+            for c in cs:
+                if c not in r:
+                    cells.append("-")
+                    continue
+                ratio = f" ({r[c]['tok_s'] / hf[c]['tok_s']:.2f}x)" if c in hf and name.startswith("kvslim") else ""
+                cells.append(f"{r[c]['tok_s']:,.1f}{ratio}")
             a = doc.get("greedy_vs_fp32", {}).get(name)
             agreed = "-" if a is None else " ".join(str(p["agree"]) for p in a["prompts"])
             lines.append(f"| {name} | " + " | ".join(cells) + f" | {agreed} |")

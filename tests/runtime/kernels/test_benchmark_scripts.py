@@ -86,26 +86,6 @@ def test_kv_quant_peer_counts_what_quantized_cache_allocates(monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
-def test_gpu_engine_without_cuda_is_one_line(tmp_path, capsys):
-    out = tmp_path / "e.json"
-    assert script("gpu_engine").main(["--json", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "no CUDA device" in err and not out.exists()
-
-
-@cpu_only
-def test_gpu_engine_smoke_through_the_interpreter(tiny_with_tokenizer, tmp_path):
-    """The engine with --kernels triton (interpreted) against HF on a tiny model: tokens agree,
-    every row measured, JSON written."""
-    out = tmp_path / "e.json"
-    argv = ["--model", str(tiny_with_tokenizer), "--device", "cpu", "--kernels", "triton", "--concurrency", "2",
-            "--prompt-tokens", "12", "--new-tokens", "2", "--agree-tokens", "3", "--json", str(out)]
-    assert script("gpu_engine").main(argv) == 0
-    doc = json.loads(out.read_text())
-    assert doc["greedy_agreement"]["ok"] and doc["kernels"] == "triton"
-    assert all(set(row) == {"2"} for row in doc["rows"].values()) and len(doc["rows"]) == 2
-
-
 def test_gpu_decode_without_cuda_is_one_line(tmp_path, capsys):
     out = tmp_path / "d.json"
     assert script("gpu_decode").main(["--json", str(out)]) == 2
