@@ -90,9 +90,12 @@ class LLM:
         kv_cache_dtype: str | None = None,
         device: str = "auto",
         kernels: str = "auto",
+        enforce_eager: bool = False,
     ) -> None:
         """``device`` (auto | cpu | cuda) and ``kernels`` (auto | torch | triton): where the model and
-        its cache live and which kernels run (``runtime.device.Placement``)."""
+        its cache live and which kernels run (``runtime.device.Placement``); ``enforce_eager``: no
+        CUDA graphs for decode (``runtime.engine.cuda_graphs``)."""
+        self.enforce_eager = enforce_eager
         self.path = resolve_model(checkpoint)
         self.model = load_model(self.path, dtype, use_cpu_kernels=use_cpu_kernels,
                                 placement=Placement.resolve(device, kernels))
@@ -237,7 +240,7 @@ class LLM:
             self._engine_kept = None  # its cache is freed before the larger one is allocated
         self._engine_kept = Engine.sized_for(self.model, longest, seqs, max_num_seqs=self.max_num_seqs,
                                              max_num_batched_tokens=self.prefill_chunk, enable_prefix_caching=True,
-                                             kv_dtype=self.kv_cache_dtype)
+                                             kv_dtype=self.kv_cache_dtype, enforce_eager=self.enforce_eager)
         self._engine_size = (longest, seqs)
         return self._engine_kept
 

@@ -66,6 +66,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-decode", action="store_true",
                    help="CPU: run decode steps compiled per batch size (1, 2, 4, ... up to --max-num-seqs), all "
                         "compiled at start-up (~30-35 s each for the default model on 2 cores)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: launch every decode step's kernels from Python instead of replaying the CUDA graphs "
+                        "captured per batch size at start-up (vLLM's name)")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="largest request body accepted; a larger one is answered 413 before it is read "
                         f"(default {DEFAULT_MAX_REQUEST_BYTES >> 20} MiB)")
@@ -175,6 +178,11 @@ def _serve(args: argparse.Namespace, sock: socket.socket, ckpt, source: str) -> 
         sizes = engine.graphs.compile()
         sys.stderr.write(f"compress serve: decode compiled for batch sizes {', '.join(map(str, sizes))} "
                          f"in {time.perf_counter() - t0:.0f} s\n")
+    if engine.cuda_graphs is not None:  # captured before the first request, as vLLM does
+        t0 = time.perf_counter()
+        sizes = engine.cuda_graphs.capture_all()
+        sys.stderr.write(f"compress serve: decode CUDA graphs captured for {len(sizes)} batch sizes "
+                         f"(up to {max(sizes)}) in {time.perf_counter() - t0:.1f} s\n")
     tokenizer = AutoTokenizer.from_pretrained(path)
 
     layout = engine.model.spec.attention
@@ -228,4 +236,5 @@ def _engine(args: argparse.Namespace, ckpt):
         kernels=args.kernels,
         gpu_memory_utilization=args.gpu_memory_utilization,
         compile_decode=args.compile_decode,
+        enforce_eager=args.enforce_eager,
     ))
