@@ -14,6 +14,16 @@ every such candidate is then *served* (the runtime's paged cache, really quantiz
 on a dev slice of the calibration text that no calibration window covers. With a budget the
 lowest dev perplexity under it wins; with ``--max-ppl-increase`` the fewest bytes within P of the
 original's dev perplexity (candidates served in order of bytes until one passes).
+
+Perplexity barely sees what a window or a coarse cache loses on a fact stated once, so a plan is
+also bounded by retrieval (``min_retrieval``, default: within 5 points of the original at every
+depth) on calibration retrieval prompts (``eval.retrieval_task``'s ``*_calib`` wording and
+``wikipedia:calib`` prose, disjoint from the evaluation tasks), served like the perplexity. Streaming
+heads are chosen two ways: by attention mass beyond the window on ordinary text, and DuoAttention's
+way, by the attention the question puts on the fact in those retrieval prompts
+(``attention_variants.retrieval_heads``). The candidates best by dev perplexity are checked in that
+order (at most ``RETRIEVAL_CHECKS``) and the first within the bound is chosen; where none is, the
+one that keeps the most retrieval, and ``plan.json`` says the bound was missed.
 """
 from __future__ import annotations
 
@@ -22,6 +32,7 @@ import math
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -42,6 +53,11 @@ PLAN_WINDOWS = (1024, 512, 256)
 PLAN_SINKS = DEFAULT_SINKS  # convert's default with a window (StreamingLLM's 4)
 CALIB_SEQS = 2  # calibration windows of N tokens for the layer ranking
 DEV_WINDOWS = 2  # dev slice: 2 x N tokens after the calibration windows (3 scored windows at stride N/2)
+RETRIEVAL_CALIB = ("passkey_calib", "needle_calib")  # eval.retrieval_task: never the evaluation wording
+RETRIEVAL_DEPTHS = (0, 25, 50, 75, 100)
+RETRIEVAL_SAMPLES = 1  # prompts per task and depth: 2 per depth over both tasks
+RETRIEVAL_CHECKS = 6  # candidates whose retrieval is served, best dev perplexity first
+DEFAULT_MIN_RETRIEVAL = 0.05  # at most this far below the original's accuracy at any depth
 
 
 @dataclass(frozen=True)
@@ -53,13 +69,15 @@ class KvChoice:
     global_layers: tuple[int, ...] = ()  # with a window: the layers kept full
     sinks: int = 0
     streaming: tuple[tuple[int, ...], ...] | None = None  # per layer, the KV heads streaming (else by layer)
+    heads_by: str | None = None  # streaming heads: ranked by "mass" (beyond the window) or "retrieval"
 
     def describe(self, num_layers: int) -> str:
         if self.window is None:
             return f"{self.kv_dtype} KV, full attention"
         if self.streaming is not None:
             n = sum(map(len, self.streaming))
-            return f"{self.kv_dtype} KV, {n} KV heads streaming over {self.sinks} sinks + window {self.window}"
+            by = f" (full heads by {self.heads_by})" if self.heads_by else ""
+            return f"{self.kv_dtype} KV, {n} KV heads streaming over {self.sinks} sinks + window {self.window}{by}"
         return (f"{self.kv_dtype} KV, sliding {self.window} + {self.sinks} sinks, "
                 f"{len(self.global_layers)} of {num_layers} layers full")
 
@@ -81,6 +99,7 @@ class Candidate:
     kv_bytes_per_token: float  # at the plan's context, by allocation
     times_smaller: float  # the original's bf16 bytes per token / these
     dev_ppl: float | None = None  # served, on the dev slice (None: not served)
+    retrieval: dict[int, float] | None = None  # depth -> calibration retrieval accuracy (None: not served)
 
 
 @dataclass(frozen=True)
@@ -95,6 +114,15 @@ class KvPlan:
     candidates: tuple[Candidate, ...]
     calibration: str
     dev_text: str
+    original_retrieval: dict[int, float] | None = None
+    min_retrieval: float | None = None  # the bound; None: not applied
+    retrieval_prompts: str = ""
+
+    @property
+    def retrieval_bound_met(self) -> bool | None:
+        if self.min_retrieval is None or self.original_retrieval is None or self.chosen.retrieval is None:
+            return None
+        return within(self.chosen.retrieval, self.original_retrieval, self.min_retrieval)
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -121,8 +149,14 @@ class KvPlan:
             "original_dev_ppl": self.original_dev_ppl,
             "calibration": self.calibration,
             "dev_text": self.dev_text,
+            "retrieval": c.retrieval,
+            "original_retrieval": self.original_retrieval,
+            "min_retrieval": self.min_retrieval,
+            "retrieval_bound_met": self.retrieval_bound_met,
+            "retrieval_prompts": self.retrieval_prompts,
             "candidates": [{**asdict(x.choice), "kv_bytes_per_token": round(x.kv_bytes_per_token, 1),
-                            "times_smaller": round(x.times_smaller, 3), "dev_ppl": x.dev_ppl}
+                            "times_smaller": round(x.times_smaller, 3), "dev_ppl": x.dev_ppl,
+                            "retrieval": x.retrieval}
                            for x in self.candidates],
         }
         return json.dumps(doc, indent=2) + "\n"
@@ -182,13 +216,18 @@ def allocated_bytes(config: dict, kv_dtype: str, ctx: int) -> float:
 
 
 def head_candidates(config: dict, ctx: int, budget_bytes: float | None, head_ranking: dict[int, list[tuple[int, int]]],
-                    original: float, dtype: str, layer_counts: dict[int, list[int]]) -> list[Candidate]:
+                    original: float, dtype: str, layer_counts: dict[int, list[int]],
+                    retrieval_ranking: list[tuple[int, int]] | None = None) -> list[Candidate]:
     """Streaming-head choices for one dtype: per window, the most full KV heads the budget allows
     (without a budget: the full-layer ladder's counts in heads), the others streaming;
-    ``head_ranking[W]``: (layer, head) by attention mass beyond W, most first. Bytes by allocation."""
+    ``head_ranking[W]``: (layer, head) by attention mass beyond W, most first; ``retrieval_ranking``:
+    by attention on the fact in retrieval prompts (the same for every window), giving a second
+    candidate per count. Bytes by allocation."""
     n, kvh = int(config["num_hidden_layers"]), int(config.get("num_key_value_heads") or config["num_attention_heads"])
     out = []
-    for w, ranked in head_ranking.items():
+    rankings = [(w, ranked, "mass") for w, ranked in head_ranking.items()]
+    rankings += [(w, retrieval_ranking, "retrieval") for w in head_ranking] if retrieval_ranking else []
+    for w, ranked, by in rankings:
         f, s = layer_bytes(config, dtype, w, ctx)
         if budget_bytes is None:
             counts = [g * kvh for g in layer_counts[w]]
@@ -199,7 +238,7 @@ def head_candidates(config: dict, ctx: int, budget_bytes: float | None, head_ran
             while k >= 0:
                 full = set(ranked[:k])
                 streaming = tuple(tuple(h for h in range(kvh) if (layer, h) not in full) for layer in range(n))
-                choice = KvChoice(dtype, w, (), PLAN_SINKS, streaming)
+                choice = KvChoice(dtype, w, (), PLAN_SINKS, streaming, by)
                 nbytes = allocated_bytes(choice.config(config), dtype, ctx)
                 if budget_bytes is None or nbytes <= budget_bytes:
                     out.append(Candidate(choice, nbytes, original / nbytes))
@@ -210,7 +249,8 @@ def head_candidates(config: dict, ctx: int, budget_bytes: float | None, head_ran
 
 def candidates(config: dict, ctx: int, budget_bytes: float | None, ranking: dict[int, list[int]],
                original: float, dtypes: tuple[str, ...] = PLAN_DTYPES,
-               head_ranking: dict[int, list[tuple[int, int]]] | None = None) -> list[Candidate]:
+               head_ranking: dict[int, list[tuple[int, int]]] | None = None,
+               retrieval_ranking: list[tuple[int, int]] | None = None) -> list[Candidate]:
     """Every choice to serve, with its bytes: per dtype, full attention, and per window the most
     full layers the budget allows (without a budget: a ladder of full-layer counts), and with
     ``head_ranking`` the most full KV heads (``head_candidates``). ``ranking[W]``: the layers by
@@ -237,8 +277,11 @@ def candidates(config: dict, ctx: int, budget_bytes: float | None, ranking: dict
             if budget_bytes is None or nbytes <= budget_bytes:
                 out.append(Candidate(choice, nbytes, original / nbytes))
         if head_ranking:
-            out += head_candidates(config, ctx, budget_bytes, head_ranking, original, dtype, layer_counts)
-    return sorted(out, key=lambda c: c.kv_bytes_per_token)  # fewest bytes first
+            out += head_candidates(config, ctx, budget_bytes, head_ranking, original, dtype, layer_counts,
+                                   retrieval_ranking)
+    unique = {(c.choice.kv_dtype, c.choice.window, c.choice.global_layers, c.choice.streaming): c
+              for c in reversed(out)}
+    return sorted(unique.values(), key=lambda c: c.kv_bytes_per_token)  # fewest bytes first (one of each layout)
 
 
 def rank(model_dir: Path, ids: torch.Tensor, windows: tuple[int, ...]) -> tuple[dict[int, list[int]],
@@ -259,10 +302,10 @@ def rank(model_dir: Path, ids: torch.Tensor, windows: tuple[int, ...]) -> tuple[
     return layers, heads
 
 
-def served_perplexity(model_dir: Path, config: dict, kv_dtype: str, ids: torch.Tensor, text: str, ctx: int) -> float:
-    """Perplexity of ``ids`` at context ``ctx`` (stride ctx/2) through the runtime's paged cache,
-    the checkpoint's weights under ``config``."""
-    from foundation.perplexity import perplexity
+@contextmanager
+def served_engine(model_dir: Path, config: dict, kv_dtype: str, ctx: int):
+    """The runtime's engine over the checkpoint's weights under ``config`` (the layout a candidate
+    rewrites), its paged cache in ``kv_dtype``, room for one ``ctx``-token sequence."""
     from runtime.engine.engine import Engine, EngineConfig
     from runtime.model.loader import load_model
 
@@ -272,58 +315,165 @@ def served_perplexity(model_dir: Path, config: dict, kv_dtype: str, ids: torch.T
                 os.symlink(f.resolve(), Path(tmp) / f.name)
         (Path(tmp) / "config.json").write_text(json.dumps(config))
         model = load_model(Path(tmp), "auto")
-        room = min(ctx + 2, model.spec.max_position_embeddings)
-        engine = Engine(model, EngineConfig(kv_dtype=kv_dtype, max_num_batched_tokens=ctx, max_model_len=room,
-                                            kv_cache_bytes=max(64, ctx // 16) << 20))
-        return perplexity(lambda x: engine.score(x[0])[None], ids, text, context=ctx, stride=max(1, ctx // 2)).perplexity
+        room = min(ctx + 32, model.spec.max_position_embeddings)
+        yield Engine(model, EngineConfig(kv_dtype=kv_dtype, max_num_batched_tokens=ctx, max_model_len=room,
+                                         max_num_seqs=4, kv_cache_bytes=max(64, ctx // 8) << 20))
+
+
+def served_perplexity(model_dir: Path, config: dict, kv_dtype: str, ids: torch.Tensor, text: str, ctx: int) -> float:
+    """Perplexity of ``ids`` at context ``ctx`` (stride ctx/2) through the runtime's paged cache,
+    the checkpoint's weights under ``config``."""
+    from foundation.perplexity import perplexity
+
+    with served_engine(model_dir, config, kv_dtype, ctx) as engine:
+        return perplexity(lambda x: engine.score(x[0])[None], ids, text, context=ctx,
+                          stride=max(1, ctx // 2)).perplexity
+
+
+def served_retrieval(model_dir: Path, config: dict, kv_dtype: str, prompts: list, tokenizer,
+                     ctx: int) -> dict[int, float]:
+    """Accuracy per depth of greedy answers to the retrieval ``prompts`` served by the runtime, the
+    cache as the candidate holds it."""
+    from eval.retrieval_task import ANSWER_TOKENS, answered
+    from runtime.engine.sampling import SamplingParams
+
+    ids = [tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
+    with served_engine(model_dir, config, kv_dtype, ctx) as engine:
+        outs = engine.generate(ids, SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0))
+    by_depth: dict[int, list[bool]] = {}
+    for p, o in zip(prompts, outs):
+        text = tokenizer.decode(o.token_ids, skip_special_tokens=True)
+        by_depth.setdefault(p.depth, []).append(answered(text, p.answer))
+    return {d: sum(hits) / len(hits) for d, hits in sorted(by_depth.items())}
+
+
+def within(retrieval: dict[int, float], original: dict[int, float], drop: float) -> bool:
+    """At every depth, no more than ``drop`` below the original's accuracy."""
+    return all(retrieval.get(d, 0.0) >= acc - drop - 1e-9 for d, acc in original.items())
+
+
+def retrieval_prompts(tokenizer, ctx: int) -> list:
+    """The calibration retrieval prompts at ``ctx`` (``eval.retrieval_task``, calibration wording)."""
+    from eval.retrieval_task import RetrievalTask
+
+    tasks = [RetrievalTask(name, contexts=(ctx,), depths=RETRIEVAL_DEPTHS, samples=RETRIEVAL_SAMPLES)
+             for name in RETRIEVAL_CALIB]
+    return [p for task in tasks for p in task.prompts(tokenizer)]
+
+
+def retrieval_rank(model_dir: Path, tokenizer, prompts: list) -> list[tuple[int, int]]:
+    """(layer, KV head) by the attention the question puts on the fact, most first
+    (``attention_variants.retrieval_heads``), over the prompts whose fact is not at the end."""
+    from transformers import AutoModelForCausalLM
+
+    from attention_variants.retrieval_heads import retrieval_head_scores
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    scores = retrieval_head_scores(model, tokenizer, [p for p in prompts if p.depth < 100])
+    return [divmod(int(i), scores.shape[1]) for i in scores.flatten().argsort(descending=True, stable=True)]
 
 
 def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase: float | None = None,
             ctx: int = DEFAULT_PLAN_CTX, calib: str | None = None, windows: tuple[int, ...] = PLAN_WINDOWS,
             dtypes: tuple[str, ...] = PLAN_DTYPES, progress: Callable[[str], None] = lambda _: None,
-            heads: bool = True) -> KvPlan:
+            heads: bool = True, min_retrieval: float | None = DEFAULT_MIN_RETRIEVAL) -> KvPlan:
     """Choose the KV layout and dtype for ``model_dir`` (see the module docstring); ``heads``:
-    streaming-head candidates too."""
+    streaming-head candidates too; ``min_retrieval``: the most a plan's calibration retrieval may fall
+    below the original's at any depth (None: no retrieval bound, none measured)."""
     ckpt = Checkpoint.open(model_dir)
     config = ckpt.config
     layout = check_request(config, budget, max_ppl_increase, ctx)
+    if min_retrieval is not None and not 0 <= min_retrieval <= 1:
+        raise KvslimError(f"--min-retrieval {min_retrieval} must be in [0, 1] (points of accuracy below the original)")
     n = layout.num_layers
     windows = tuple(w for w in windows if w < ctx)
     source = calib or DEFAULT_CALIB
     spec = CalibrationSpec(source=source, num_samples=CALIB_SEQS + DEV_WINDOWS, seq_len=ctx)
-    tokens = token_windows(load_tokenizer(ckpt.path)(spec.load_text(), add_special_tokens=False)["input_ids"], spec)
+    tokenizer = load_tokenizer(ckpt.path)
+    tokens = token_windows(tokenizer(spec.load_text(), add_special_tokens=False)["input_ids"], spec)
     calib_ids, dev = tokens[:CALIB_SEQS], tokens[CALIB_SEQS:].flatten()
     calibration = f"{CALIB_SEQS} x {ctx} tokens of {source}"
     dev_text = f"{source} tokens [{CALIB_SEQS * ctx}, {(CALIB_SEQS + DEV_WINDOWS) * ctx})"
     progress(f"ranking layers and KV heads by attention mass beyond windows {list(windows)} on {calibration}")
     ranking, head_ranking = rank(ckpt.path, calib_ids, windows) if windows else ({}, {})
+    prompts = retrieval_prompts(tokenizer, ctx) if min_retrieval is not None else []
+    prompt_text = (f"{len(prompts)} prompts of {ctx} tokens: {', '.join(RETRIEVAL_CALIB)} at depths "
+                   f"{', '.join(map(str, RETRIEVAL_DEPTHS))}%" if prompts else "")
+    retrieval_ranking = None
+    if prompts and heads and windows:
+        progress(f"ranking KV heads by the attention the question puts on the fact ({prompt_text})")
+        retrieval_ranking = retrieval_rank(ckpt.path, tokenizer, prompts)
     original = original_bytes(config, ctx)
     original_ppl = served_perplexity(ckpt.path, config, "bf16", dev, dev_text, ctx)
-    progress(f"original (bf16 KV): {original:,.0f} B/token @{ctx}, dev ppl {original_ppl:.3f}")
+    original_ret = served_retrieval(ckpt.path, config, "bf16", prompts, tokenizer, ctx) if prompts else None
+    progress(f"original (bf16 KV): {original:,.0f} B/token @{ctx}, dev ppl {original_ppl:.3f}"
+             + (f", retrieval by depth {_pct(original_ret)}" if original_ret else ""))
     todo = candidates(config, ctx, None if budget is None else budget * original, ranking, original, dtypes,
-                      head_ranking if heads else None)
+                      head_ranking if heads else None, retrieval_ranking)
     if not todo:
         raise KvslimError(f"no KV plan fits {budget:g} of the original's bytes at context {ctx} (the smallest: "
                           f"{min(dtypes, key=_bits)} with every layer sliding over the shortest window)")
-    served = []
+
+    checks = 0
+
+    def retrieval_ok(cand: Candidate) -> tuple[Candidate, bool]:
+        nonlocal checks
+        if not prompts:
+            return cand, True
+        checks += 1
+        cand = replace(cand, retrieval=served_retrieval(ckpt.path, cand.choice.config(config), cand.choice.kv_dtype,
+                                                        prompts, tokenizer, ctx))
+        ok = within(cand.retrieval, original_ret, min_retrieval)
+        progress(f"  retrieval of {cand.choice.describe(n)}: {_pct(cand.retrieval)} "
+                 f"({'within' if ok else 'NOT within'} {100 * min_retrieval:g} points of the original at every depth)")
+        return cand, ok
+
+    served, chosen = [], None
     for cand in todo:
         ppl = served_perplexity(ckpt.path, cand.choice.config(config), cand.choice.kv_dtype, dev, dev_text, ctx)
         cand = replace(cand, dev_ppl=ppl)
-        served.append(cand)
         progress(f"{cand.choice.describe(n)}: {cand.kv_bytes_per_token:,.0f} B/token ({cand.times_smaller:.2f}x smaller), "
                  f"dev ppl {ppl:.3f} ({100 * (ppl / original_ppl - 1):+.2f}%)")
         if max_ppl_increase is not None and ppl <= original_ppl * (1 + max_ppl_increase):
-            break
-    if budget is not None:
-        chosen = min(served, key=lambda c: c.dev_ppl)
-    else:
+            if checks >= RETRIEVAL_CHECKS:
+                served.append(cand)
+                break
+            cand, ok = retrieval_ok(cand)
+            served.append(cand)
+            if ok:
+                chosen = cand
+                break
+            continue
+        served.append(cand)
+    if budget is not None:  # the best dev perplexity within the retrieval bound
+        ranked = sorted(served, key=lambda c: c.dev_ppl)
+        checked = []
+        for cand in ranked[:RETRIEVAL_CHECKS]:
+            cand, ok = retrieval_ok(cand)
+            checked.append(cand)
+            if ok:
+                chosen = cand
+                break
+        if chosen is None:  # the bound missed by all checked: keep the most retrieval
+            chosen = max(checked, key=lambda c: (min(c.retrieval.values()), sum(c.retrieval.values()), -c.dev_ppl))
+            progress(f"no candidate checked keeps retrieval within {100 * min_retrieval:g} points at every depth: "
+                     f"chose the one that keeps the most ({_pct(chosen.retrieval)})")
+        by_choice = {c.choice: c for c in checked}
+        served = [by_choice.get(c.choice, c) for c in served]
+    elif chosen is None:
         passing = [c for c in served if c.dev_ppl <= original_ppl * (1 + max_ppl_increase)]
-        chosen = passing[0] if passing else None
-        if chosen is None:
+        if not passing:
             raise KvslimError(f"no KV plan stays within +{100 * max_ppl_increase:g}% dev perplexity "
                               f"(the best: {min(served, key=lambda c: c.dev_ppl).dev_ppl:.3f} vs {original_ppl:.3f})")
+        raise KvslimError(f"no KV plan within +{100 * max_ppl_increase:g}% dev perplexity keeps calibration retrieval "
+                          f"within {100 * min_retrieval:g} points of the original at every depth ({checks} checked; "
+                          "--min-retrieval 1 plans by perplexity alone)")
     return KvPlan(ctx, budget, max_ppl_increase, n, original, original_ppl, chosen, tuple(served),
-                  calibration, dev_text)
+                  calibration, dev_text, original_ret, min_retrieval if prompts else None, prompt_text)
+
+
+def _pct(by_depth: dict[int, float]) -> str:
+    return " ".join(f"{d}%:{100 * a:.0f}" for d, a in by_depth.items())
 
 
 def _bits(dtype: str) -> int:

@@ -24,6 +24,8 @@ from eval.perplexity_task import (
     run_perplexity_task,
 )
 from eval.results_cache import EvalResults, TaskScore
+from eval.retrieval_task import ANSWER_TOKENS, DEFAULT_CONTEXTS, RETRIEVAL_TASKS, RetrievalTask
+from eval.retrieval_task import score as retrieval_score
 from eval.task_pack import LM_EVAL_TASKS, PACK_VERSION, ensure_pack
 from foundation.errors import CheckpointError, KvslimError
 from foundation.perplexity import DEFAULT_CONTEXT, LogitsFn
@@ -44,7 +46,9 @@ DEFAULT_LIMITS: dict[str, int] = {
     "boolq": 60,
     "sciq": 30,
 }
-DEFAULT_TASKS: tuple[str, ...] = tuple(LM_EVAL_TASKS) + tuple(PERPLEXITY_TASKS)
+# Retrieval in the default run: the evaluation variants (the *_calib ones are a planner's).
+DEFAULT_RETRIEVAL = ("passkey", "needle")
+DEFAULT_TASKS: tuple[str, ...] = tuple(LM_EVAL_TASKS) + tuple(PERPLEXITY_TASKS) + DEFAULT_RETRIEVAL
 DEFAULT_BATCH_SIZE = 8
 BOOTSTRAP_ITERS = 1000  # lambada's perplexity stderr is bootstrapped; lm-eval's 100k is minutes on CPU
 SEED = 1234
@@ -123,8 +127,9 @@ def load_kvslim(ckpt: Path, plan: "EvalPlan") -> EvalModel:
     from eval.lm_eval_adapter import KvslimLM, register
 
     register()
-    lm = KvslimLM(pretrained=str(ckpt), batch_size=plan.batch_size, dtype=plan.dtype, kv_cache_dtype=plan.kv_cache_dtype,
-                  min_length=plan.context, device=plan.device, kernels=plan.kernels)
+    lm = KvslimLM(pretrained=str(ckpt), batch_size=plan.batch_size, dtype=plan.dtype,
+                  kv_cache_dtype=plan.kv_cache_dtype, min_length=max(plan.context, plan.longest_retrieval()),
+                  device=plan.device, kernels=plan.kernels)
     return EvalModel(lm=lm, logits_fn=lm.logits_fn, tokenizer=lm.tokenizer)
 
 
@@ -147,11 +152,13 @@ class EvalPlan:
     text_file: str | None = None  # --text FILE: the ppl_text entry
     device: str = "auto"  # the kvslim backend's placement (runtime.device)
     kernels: str = "auto"
+    retrieval_contexts: tuple[int, ...] = DEFAULT_CONTEXTS  # prompt lengths of the retrieval tasks
 
     @classmethod
     def make(cls, tasks: list[str] | None, limit: int | None, perplexity_tokens: int | None, batch_size: int,
              dtype: str = "auto", kv_cache_dtype: str = "auto", context: int | None = None,
-             text_file: str | None = None, device: str = "auto", kernels: str = "auto") -> "EvalPlan":
+             text_file: str | None = None, device: str = "auto", kernels: str = "auto",
+             retrieval_contexts: tuple[int, ...] | None = None) -> "EvalPlan":
         """``tasks`` None: the whole pack, or only ``ppl_text`` when ``text_file`` is given."""
         if tasks:
             names = tuple(tasks)
@@ -161,7 +168,7 @@ class EvalPlan:
             names = (*names, TEXT_FILE_TASK)
         if TEXT_FILE_TASK in names and not text_file:
             raise KvslimError(f"task {TEXT_FILE_TASK} scores a file: give it with --text FILE")
-        known = (*DEFAULT_TASKS, TEXT_FILE_TASK)
+        known = tuple(dict.fromkeys((*DEFAULT_TASKS, TEXT_FILE_TASK, *RETRIEVAL_TASKS)))
         unknown = [t for t in names if t not in known]
         if unknown:
             raise KvslimError(f"unknown task(s) {', '.join(unknown)}; known: {', '.join(known)}")
@@ -169,9 +176,19 @@ class EvalPlan:
             raise KvslimError(f"--limit must be >= 1, got {limit}")
         if context is not None and context < 2:
             raise KvslimError(f"--ctx must be >= 2, got {context}")
+        if retrieval_contexts is not None and (not retrieval_contexts or min(retrieval_contexts) < 64):
+            raise KvslimError(f"--retrieval-contexts must be token counts >= 64, got {list(retrieval_contexts)}")
         limits = {t: min(limit or DEFAULT_LIMITS[t], LM_EVAL_TASKS[t].num_docs) for t in names if t in LM_EVAL_TASKS}
         return cls(names, limits, perplexity_tokens, batch_size, dtype, kv_cache_dtype,
-                   context or DEFAULT_CONTEXT, str(Path(text_file).resolve()) if text_file else None, device, kernels)
+                   context or DEFAULT_CONTEXT, str(Path(text_file).resolve()) if text_file else None, device, kernels,
+                   tuple(sorted(set(retrieval_contexts))) if retrieval_contexts else DEFAULT_CONTEXTS)
+
+    def retrieval_tasks(self) -> list[RetrievalTask]:
+        return [RetrievalTask(t, contexts=self.retrieval_contexts) for t in self.tasks if t in RETRIEVAL_TASKS]
+
+    def longest_retrieval(self) -> int:
+        """Tokens a backend must hold for the longest retrieval prompt and its answer (0: none)."""
+        return max((t.longest for t in self.retrieval_tasks()), default=0)
 
     def perplexity_tasks(self) -> list[PerplexityTask]:
         """The plan's perplexity entries, in task order, at the plan's context."""
@@ -205,6 +222,8 @@ class EvalPlan:
             **({"kvslim_kv_cache_dtype": self.kv_cache_dtype} if self.kv_cache_dtype != "auto" else {}),
             # how int4/int2 KV is read (a step's own rows exact, score a block per step)
             **({"kvslim_low_bit_read": 2} if self.kv_cache_dtype in ("int4", "int2") else {}),
+            **({"retrieval_contexts": list(self.retrieval_contexts), "retrieval_version": 1}
+               if self.retrieval_tasks() else {}),
             "pack_version": PACK_VERSION,
             "lm_eval": lm_eval.__version__,
             "transformers": transformers.__version__,
@@ -283,6 +302,26 @@ def _perplexity_scores(model: EvalModel, plan: EvalPlan) -> dict[str, TaskScore]
     return scores
 
 
+def _retrieval_scores(model: EvalModel, plan: EvalPlan) -> dict[str, TaskScore]:
+    """Each retrieval task's prompts answered by greedy generation through the backend's own
+    ``generate_until`` (the kvslim engine: the cache compressed as served)."""
+    from lm_eval.api.instance import Instance
+
+    scores = {}
+    for task in plan.retrieval_tasks():
+        prompts = task.prompts(model.tokenizer)
+        gen = {"until": ["\n"], "max_gen_toks": ANSWER_TOKENS, "do_sample": False}
+        requests = [Instance("generate_until", {}, (p.text, dict(gen)), i) for i, p in enumerate(prompts)]
+        accuracy, metrics = retrieval_score(task, prompts, model.lm.generate_until(requests))
+        scores[task.name] = TaskScore(
+            task=task.name, metric="acc", value=accuracy, stderr=None, num_samples=len(prompts),
+            higher_is_better=True, metrics=metrics,
+            detail=f"contexts {', '.join(map(str, task.contexts))} tokens x depths "
+                   f"{', '.join(map(str, task.depths))}%, {task.samples} prompts each, greedy",
+        )
+    return scores
+
+
 def _cpu_seconds() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -299,7 +338,7 @@ def run_eval(ckpt: Path, ckpt_sha256: str, plan: EvalPlan, backend: str = "hf") 
     torch.manual_seed(SEED)
     start, cpu_start = time.perf_counter(), _cpu_seconds()
     model = BACKENDS[backend](ckpt, plan)
-    scores = {**lm_eval_scores(model, plan), **_perplexity_scores(model, plan)}
+    scores = {**lm_eval_scores(model, plan), **_perplexity_scores(model, plan), **_retrieval_scores(model, plan)}
     ordered = {t: scores[t] for t in plan.tasks}
     return EvalResults(
         checkpoint=str(ckpt),

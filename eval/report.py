@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eval.perplexity_task import PERPLEXITY_TASKS
+from eval.retrieval_task import RETRIEVAL_TASKS
 from foundation.errors import KvslimError
 from foundation.kv_plan_file import planned_kv_dtype
 from foundation.quant_spec import QuantSpec
@@ -60,6 +61,7 @@ class CheckpointRow:
     decode_dtype: str
     decode_path: str  # the Linears' kernel and the KV cache the decode ran on
     resident_weight_bytes: int  # weights as loaded for decoding (FP8 on a CPU: dequantized once)
+    retrieval: dict[str, float] = field(default_factory=dict)  # retrieval task -> accuracy (eval.retrieval_task)
 
 
 def weight_bytes(ckpt: Path) -> int:
@@ -155,18 +157,19 @@ def measure(name: str, ckpt: Path, s: ReportSettings, use_cache: bool = True,
     static = has_static_kv_scales(ckpt) and kv_dtype == served
     kv = report_variant(name, config, kv_dtype, s.kv_budget_bytes, s.context, static_scales=static)
     plan = EvalPlan.make(list(s.tasks), s.limit, s.perplexity_tokens, 8, s.dtype,
-                         kv_cache_dtype=kv_cache_dtype, context=s.context)
+                         kv_cache_dtype=kv_cache_dtype, context=s.context, retrieval_contexts=(s.context,))
     results, _ = evaluate_cached(str(ckpt), plan, "kvslim", use_cache)
     ppl_name = next((t for t in s.tasks if t in PERPLEXITY_TASKS), None)
     ppl = results.scores[ppl_name] if ppl_name else None
-    accuracy = {t: sc.value for t, sc in results.scores.items() if t not in PERPLEXITY_TASKS}
+    accuracy = {t: sc.value for t, sc in results.scores.items() if t not in PERPLEXITY_TASKS and t not in RETRIEVAL_TASKS}
+    retrieval = {t: sc.value for t, sc in results.scores.items() if t in RETRIEVAL_TASKS}
     decode = fastest_decode(ckpt, s, chosen)
     return CheckpointRow(
         name=name, path=str(ckpt), weight_bytes=weight_bytes(ckpt), kv_dtype=kv_dtype,
         kv_bytes_per_token=kv.formula_bytes_per_token, kv_capacity_seqs=kv.capacity_seqs,
         perplexity=ppl.value if ppl else None, perplexity_detail=ppl.detail if ppl else None,
         accuracy=accuracy, decode_tokens_per_s=decode.tokens_per_s, decode_dtype=decode.dtype,
-        decode_path=decode.path, resident_weight_bytes=decode.resident_weight_bytes,
+        decode_path=decode.path, resident_weight_bytes=decode.resident_weight_bytes, retrieval=retrieval,
     )
 
 
@@ -178,6 +181,10 @@ def recovery(row: CheckpointRow, base: CheckpointRow) -> float | None:
     """Mean over tasks of accuracy / the baseline's accuracy (tasks where the baseline scores > 0)."""
     ratios = [row.accuracy[t] / base.accuracy[t] for t in row.accuracy if base.accuracy.get(t)]
     return sum(ratios) / len(ratios) if ratios else None
+
+
+def mean_retrieval(row: CheckpointRow) -> float | None:
+    return sum(row.retrieval.values()) / len(row.retrieval) if row.retrieval else None
 
 
 def kv_smaller(row: CheckpointRow, base: CheckpointRow) -> float:
@@ -197,7 +204,8 @@ def markdown_table(rows: list[CheckpointRow], s: ReportSettings) -> str:
     tasks = list(rows[0].accuracy)
     head = (["checkpoint", "weights MiB (disk / resident)", "KV dtype", "KV B/token", "KV smaller",
              "KV capacity (seqs)", "perplexity", "ppl change"] + [f"{t} acc" for t in tasks]
-            + ["mean acc", "recovery", "decode tok/s", "decode path"])
+            + ["mean acc", "recovery"] + [f"{t} (retrieval)" for t in rows[0].retrieval]
+            + ["decode tok/s", "decode path"])
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     base = rows[0]
     for r in rows:
@@ -207,8 +215,9 @@ def markdown_table(rows: list[CheckpointRow], s: ReportSettings) -> str:
                  "-" if r.perplexity is None else f"{r.perplexity:,.2f}",
                  "-" if change is None else f"{change:+.2%}"]
         cells += [f"{r.accuracy[t]:.3f}" for t in tasks]
-        cells += ["-" if acc is None else f"{acc:.3f}", "-" if rec is None else f"{rec:.1%}",
-                  f"{r.decode_tokens_per_s:,.1f} ({DTYPE_SHORT.get(r.decode_dtype, r.decode_dtype)})", r.decode_path]
+        cells += ["-" if acc is None else f"{acc:.3f}", "-" if rec is None else f"{rec:.1%}"]
+        cells += [f"{r.retrieval[t]:.0%}" if t in r.retrieval else "-" for t in rows[0].retrieval]
+        cells += [f"{r.decode_tokens_per_s:,.1f} ({DTYPE_SHORT.get(r.decode_dtype, r.decode_dtype)})", r.decode_path]
         lines.append("| " + " | ".join(cells) + " |")
     limit = "the pack's fixed per-task limits" if s.limit is None else f"first {s.limit} docs per task"
     stride = max(1, s.context // 2)
@@ -225,6 +234,10 @@ def markdown_table(rows: list[CheckpointRow], s: ReportSettings) -> str:
         f"{s.dtype} activations: each row's dtype is named in brackets after its decode tok/s). "
         + (f"Accuracy: lm-eval 0-shot, {limit}, on kvslim's engine (`--backend kvslim`); "
            f"recovery = mean over tasks of accuracy / {base.name}'s." if tasks else "No lm-eval task."),
+        *([f"- Retrieval (eval/retrieval_task.py): a fact stated once in a {s.context}-token prompt, at depths 0, 25, "
+           "50, 75 and 100% of it, asked for at its end; greedy through the kvslim engine with the row's KV cache as "
+           "served; accuracy = the first number answered is the key. Perplexity cannot see what a window or a "
+           "coarse cache loses here."] if rows[0].retrieval else []),
         f"- Decode tok/s: kvslim engine, {s.decode_batch} concurrent requests, "
         f"{s.decode_prompt_tokens}-token prompts of wikipedia:eval, {s.decode_new_tokens} new tokens; "
         "aggregate generated tokens/s after the first token; KV in the row's dtype (by default the checkpoint's "
@@ -281,45 +294,64 @@ def plot(rows: list[CheckpointRow], path: Path, s: ReportSettings) -> None:
 def plot_pareto(rows: list[CheckpointRow], path: Path, s: ReportSettings) -> None:
     """One PNG: KV bytes per token (times fewer than the first row, log scale) against the
     perplexity change (linear within +-10%, logarithmic beyond, so a collapsed rewrite does not
-    flatten the rest), one labelled point per row; the rows no other row beats on both are joined."""
+    flatten the rest) and, where measured, against the retrieval accuracy change in points: one
+    labelled point per row; the rows no other row beats on both axes of a panel are joined."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullFormatter
 
     base = rows[0]
-    points = [(kv_smaller(r, base), 100 * perplexity_change(r, base), r.name) for r in rows
-              if perplexity_change(r, base) is not None]
-    fig, ax = plt.subplots(figsize=(9, 6))
+    ppl = [(kv_smaller(r, base), 100 * perplexity_change(r, base), r.name) for r in rows
+           if perplexity_change(r, base) is not None]
+    ret = [(kv_smaller(r, base), 100 * (mean_retrieval(r) - mean_retrieval(base)), r.name) for r in rows
+           if r.retrieval and base.retrieval]
+    fig, axes = plt.subplots(1, 2 if ret else 1, figsize=(16 if ret else 9, 6), squeeze=False)
+    _pareto_panel(axes[0][0], ppl, lower_is_better=True, what="perplexity")
+    axes[0][0].set_ylabel(f"perplexity change vs {base.name} at context {s.context} (%)")
+    axes[0][0].set_title("KV bytes vs perplexity (lower right is better)")
+    if ret:
+        _pareto_panel(axes[0][1], ret, lower_is_better=False, what="retrieval")
+        axes[0][1].set_ylabel(f"retrieval accuracy change vs {base.name} ({', '.join(base.retrieval)}; points)")
+        axes[0][1].set_title("KV bytes vs retrieval of a fact stated once (upper right is better)")
+    for ax in axes[0]:
+        ax.set_xlabel(f"KV bytes per token at {s.context} tokens: times fewer than {base.name}")
+    fig.suptitle("kvslim: KV bytes vs quality, served by the kvslim runtime")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _pareto_panel(ax, points: list[tuple[float, float, str]], lower_is_better: bool, what: str) -> None:
+    from matplotlib.ticker import NullFormatter
+
     ax.set_xscale("log")
     for x, y, name in points:
         ax.scatter(x, y, s=30)
         ax.annotate(name, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
-    front = sorted((p for p in points if not any(q[0] >= p[0] and q[1] <= p[1] and q[:2] != p[:2] for q in points)))
+    sign = 1 if lower_is_better else -1
+    front = sorted(p for p in points if not any(
+        q[0] >= p[0] and sign * q[1] <= sign * p[1] and q[:2] != p[:2] for q in points))
     if len(front) > 1:
         ax.plot([p[0] for p in front], [p[1] for p in front], color="gray", alpha=0.5, zorder=0)
     ax.axhline(0, color="gray", lw=0.8)
-    ax.set_yscale("symlog", linthresh=10)
-    if points:
+    ax.grid(alpha=0.3, which="both")
+    if not points:
+        ax.text(0.5, 0.5, f"{what} not measured", ha="center", va="center", transform=ax.transAxes, color="gray")
+        return
+    if lower_is_better:  # perplexity: symlog, a collapsed row does not flatten the rest
+        ax.set_yscale("symlog", linthresh=10)
         top, bottom = max(max(p[1] for p in points) * 1.3, 10), min(min(p[1] for p in points) * 1.3, -2)
         yticks = [t for t in (-10, -5, -2, 0, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
                   if bottom <= t <= top]
         ax.set_ylim(bottom, top)
         ax.set_yticks(yticks, [f"{t:+g}%" if t else "0" for t in yticks])
-        lo, hi = min(p[0] for p in points) / 1.5, max(p[0] for p in points) * 1.5
-        ticks = [t for t in (0.5, 1, 2, 4, 8, 16, 32, 64) if lo <= t <= hi]
-        ax.set_xticks(ticks, [f"{t:g}x" for t in ticks])
-        ax.xaxis.set_minor_formatter(NullFormatter())  # no "3x10^0" between the plain ticks
-    else:
-        ax.text(0.5, 0.5, "perplexity not measured", ha="center", va="center", transform=ax.transAxes, color="gray")
-    ax.set_xlabel(f"KV bytes per token at {s.context} tokens: times fewer than {base.name}")
-    ax.set_ylabel(f"perplexity change vs {base.name} at context {s.context} (%)")
-    ax.grid(alpha=0.3, which="both")
-    ax.set_title("kvslim: KV bytes vs quality (lower right is better)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    else:  # retrieval points: -100 .. +100
+        ax.set_ylim(min(min(p[1] for p in points) - 10, -20), max(max(p[1] for p in points) + 10, 10))
+    lo, hi = min(p[0] for p in points) / 1.5, max(p[0] for p in points) * 1.5
+    ticks = [t for t in (0.5, 1, 2, 4, 8, 16, 32, 64) if lo <= t <= hi]
+    ax.set_xticks(ticks, [f"{t:g}x" for t in ticks])
+    ax.xaxis.set_minor_formatter(NullFormatter())  # no "3x10^0" between the plain ticks
 
 
 def write_report(rows: list[CheckpointRow], out: Path, s: ReportSettings) -> tuple[Path, Path]:

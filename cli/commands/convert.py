@@ -63,6 +63,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                            "(e.g. 0.16), the lowest dev perplexity served (writes plan.json)")
     plan.add_argument("--max-ppl-increase", type=float, metavar="P",
                       help="plan the fewest KV bytes whose dev perplexity stays within P of the original's (0.1 = +10%%)")
+    p.add_argument("--min-retrieval", type=float, default=None, metavar="P",
+                   help="with --kv-budget / --max-ppl-increase: keep retrieval of a fact stated once (calibration "
+                        "passkey and needle prompts at --ctx, served) within P of the original's accuracy at every "
+                        "depth (default 0.05: 5 points; 1: no retrieval bound)")
     p.add_argument("--ctx", type=int, help="with --kv-budget / --max-ppl-increase: the context the plan's bytes and "
                                            "perplexity are measured at (default 2048)")
     p.add_argument("--eval-tokens", type=int, default=4096,
@@ -85,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
     planning = args.kv_budget is not None or args.max_ppl_increase is not None
     if args.ctx is not None and not planning:
         raise KvslimError("--ctx applies to a KV plan (--kv-budget R or --max-ppl-increase P)")
+    if args.min_retrieval is not None and not planning:
+        raise KvslimError("--min-retrieval applies to a KV plan (--kv-budget R or --max-ppl-increase P)")
     if planning and _rewrites(args):
         raise KvslimError(f"--kv-budget / --max-ppl-increase choose the window, sinks, full layers and KV dtype "
                           f"themselves; drop {', '.join(_rewrites(args))}")
@@ -130,12 +136,13 @@ def _rewrites(args: argparse.Namespace) -> list[str]:
 
 
 def _plan(args: argparse.Namespace, source) -> int:
-    from eval.kv_plan import DEFAULT_PLAN_CTX, plan_kv, write_planned_checkpoint
+    from eval.kv_plan import DEFAULT_MIN_RETRIEVAL, DEFAULT_PLAN_CTX, plan_kv, write_planned_checkpoint
     from foundation.atomic import check_output_dir
 
     check_output_dir(Path(args.out), args.force)
+    bound = DEFAULT_MIN_RETRIEVAL if args.min_retrieval is None else args.min_retrieval
     plan = plan_kv(source, args.kv_budget, args.max_ppl_increase, args.ctx or DEFAULT_PLAN_CTX, args.calib,
-                   progress=lambda line: print(f"  {line}", flush=True))
+                   progress=lambda line: print(f"  {line}", flush=True), min_retrieval=None if bound >= 1 else bound)
     out = write_planned_checkpoint(source, plan, args.out, force=args.force)
     c = plan.chosen
     print(f"plan: {c.choice.describe(plan.num_layers)}")
@@ -143,5 +150,10 @@ def _plan(args: argparse.Namespace, source) -> int:
           f"original ({plan.original_kv_bytes_per_token:,.0f})")
     print(f"  dev perplexity {c.dev_ppl:.3f} vs {plan.original_dev_ppl:.3f} "
           f"({100 * (c.dev_ppl / plan.original_dev_ppl - 1):+.2f}%, served, {plan.dev_text})")
+    if c.retrieval is not None:
+        met = "within" if plan.retrieval_bound_met else "NOT within"
+        print(f"  calibration retrieval by depth {' '.join(f'{d}%:{100 * a:.0f}' for d, a in c.retrieval.items())} vs "
+              f"the original's {' '.join(f'{d}%:{100 * a:.0f}' for d, a in plan.original_retrieval.items())} "
+              f"({met} {100 * plan.min_retrieval:g} points at every depth; {plan.retrieval_prompts})")
     print(f"  wrote {out} (plan.json: compress serve / eval --backend kvslim use {plan.kv_cache_dtype} KV by default)")
     return 0

@@ -23,8 +23,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory, .gguf file or model name (smollm2)")
     p.add_argument(
         "--tasks", nargs="+", metavar="TASK",
-        help="tasks (space or comma separated); default: all 8 lm-eval tasks + ppl_wikipedia + ppl_pydoc",
+        help="tasks (space or comma separated); default: all 8 lm-eval tasks + ppl_wikipedia + ppl_pydoc + "
+             "passkey + needle (retrieval; also multikey, and *_calib variants for tuning)",
     )
+    p.add_argument("--retrieval-contexts", type=int, nargs="+", metavar="N",
+                   help="prompt lengths in tokens of the retrieval tasks (default 1024 2048)")
     p.add_argument("--limit", type=int, help="docs per lm-eval task (default: fixed per-task limits, see BENCHMARKS.md)")
     p.add_argument("--ppl-tokens", type=int,
                    help="tokens per perplexity entry (default 8192 of a named text, all of a --text file)")
@@ -142,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
     if (args.device, args.kernels) != ("auto", "auto") and args.backend != "kvslim":
         raise KvslimError("--device / --kernels apply to --backend kvslim")
     plan = EvalPlan.make(_task_list(args.tasks), args.limit, args.ppl_tokens, args.batch_size, args.dtype,
-                         args.kv_cache_dtype, args.ctx, args.text, args.device, args.kernels)
+                         args.kv_cache_dtype, args.ctx, args.text, args.device, args.kernels,
+                         tuple(args.retrieval_contexts) if args.retrieval_contexts else None)
     _check_json_path(args.json)
     ckpt = _checked_checkpoint(args.checkpoint, args.ctx)
     baseline = _checked_checkpoint(args.baseline, args.ctx) if args.baseline is not None else None

@@ -13,7 +13,7 @@ import argparse
 from foundation.errors import KvslimError
 from runtime.cache.kv_dtype_choices import KV_CACHE_DTYPES
 
-DEFAULT_TASKS = ("arc_easy", "hellaswag", "piqa", "ppl_wikipedia")
+DEFAULT_TASKS = ("arc_easy", "hellaswag", "piqa", "ppl_wikipedia", "passkey")
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -22,7 +22,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "CKPT@int4 measures that checkpoint with that KV cache dtype only (one row)")
     p.add_argument("--names", help="comma-separated row names (default: directory names)")
     p.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
-                   help=f"comma-separated eval tasks, at most one perplexity entry (default: {','.join(DEFAULT_TASKS)})")
+                   help="comma-separated eval tasks, at most one perplexity entry; retrieval tasks (passkey, needle, "
+                        f"multikey) run at --ctx (default: {','.join(DEFAULT_TASKS)})")
     p.add_argument("--limit", type=int, help="docs per lm-eval task (default: the pack's fixed per-task limits)")
     p.add_argument("--ppl-tokens", type=int, default=None,
                    help="perplexity tokens of wikipedia:eval (default: 4 contexts, so every row is scored over "

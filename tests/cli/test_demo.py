@@ -28,6 +28,7 @@ def test_eval_stages_run_on_the_kvslim_runtime_with_the_report_settings():
         assert e.backend == "kvslim"
         assert e.limit == report.limit and e.ppl_tokens == report.ppl_tokens
         assert e.ctx == report.ctx == demo.CONTEXT  # the cached evals are the ones the report reads
+        assert e.retrieval_contexts == [report.ctx]  # the report runs retrieval at its context
         assert e.ppl_tokens >= 4 * e.ctx  # several full contexts per row
         assert ",".join(e.tasks) == report.tasks
     assert sorted(e.checkpoint for e in evals) == sorted(report.checkpoints)

@@ -116,3 +116,55 @@ def test_a_bad_plan_file_is_one_line(tmp_path):
     with pytest.raises(KvslimError, match="needs kv_cache_dtype"):
         planned_kv_dtype(tmp_path)
     assert KvChoice("int4").config({"a": 1}) == {"a": 1}
+
+
+def test_retrieval_ranked_heads_are_candidates_too(tiny_llama):
+    config = Checkpoint.open(tiny_llama).config
+    original = original_bytes(config, CTX)
+    mass = [(3, 1), (1, 0), (0, 0), (2, 1), (3, 0), (1, 1), (0, 1), (2, 0)]
+    retrieval = list(reversed(mass))
+    cands = candidates(config, CTX, 0.7 * original, {}, original, ("bf16",), {16: mass}, retrieval)
+    by = {c.choice.heads_by: c for c in cands if c.choice.streaming is not None}
+    assert set(by) == {"mass", "retrieval"}
+    full = {(layer, h) for layer in range(4) for h in range(2) if h not in by["retrieval"].choice.streaming[layer]}
+    assert full == set(retrieval[:len(full)]) and "full heads by retrieval" in by["retrieval"].choice.describe(4)
+
+
+def _fake_retrieval(monkeypatch, passes):
+    """served_retrieval answering by candidate: 1.0 at every depth where ``passes(config, kv_dtype)``, else 0 at 0%."""
+    import eval.kv_plan as kv_plan
+
+    def served(model_dir, config, kv_dtype, prompts, tokenizer, ctx):
+        ok = passes(config, kv_dtype)
+        return {d: (1.0 if ok or d else 0.0) for d in kv_plan.RETRIEVAL_DEPTHS}
+    monkeypatch.setattr(kv_plan, "served_retrieval", served)
+    monkeypatch.setattr(kv_plan, "retrieval_rank", lambda *a: [(layer, h) for layer in range(4) for h in range(2)])
+
+
+def test_a_budget_plan_takes_the_best_perplexity_within_the_retrieval_bound(tiny_with_tokenizer, monkeypatch):
+    _fake_retrieval(monkeypatch, lambda config, kv: kv == "bf16" and "sliding_window" not in config
+                    and "streaming_heads" not in config or kv == "int8")
+    plan = plan_kv(tiny_with_tokenizer, budget=0.6, ctx=CTX, windows=(16,), dtypes=("bf16", "int8", "int4"))
+    assert plan.chosen.choice.kv_dtype == "int8" and plan.retrieval_bound_met
+    better = [c for c in plan.candidates if c.dev_ppl < plan.chosen.dev_ppl]
+    assert all(c.retrieval is not None and c.retrieval[0] == 0.0 for c in better)  # served and refused
+    doc = json.loads(plan.to_json())
+    assert doc["retrieval_bound_met"] is True and doc["min_retrieval"] == 0.05
+    assert "passkey_calib" in doc["retrieval_prompts"]
+
+
+def test_a_budget_plan_missing_the_bound_keeps_the_most_retrieval_and_says_so(tiny_with_tokenizer, monkeypatch):
+    _fake_retrieval(monkeypatch, lambda config, kv: kv == "bf16" and "sliding_window" not in config
+                    and "streaming_heads" not in config)
+    plan = plan_kv(tiny_with_tokenizer, budget=0.3, ctx=CTX, windows=(16,), dtypes=("int8", "int4"))
+    assert plan.retrieval_bound_met is False and json.loads(plan.to_json())["retrieval_bound_met"] is False
+
+
+def test_a_quality_plan_that_no_candidate_keeps_retrieval_for_is_one_line(tiny_with_tokenizer, monkeypatch):
+    _fake_retrieval(monkeypatch, lambda config, kv: kv == "bf16" and "sliding_window" not in config
+                    and "streaming_heads" not in config)
+    with pytest.raises(KvslimError, match="keeps calibration retrieval within 5 points"):
+        plan_kv(tiny_with_tokenizer, max_ppl_increase=10.0, ctx=CTX, windows=(32,), dtypes=("int8",))
+    plan = plan_kv(tiny_with_tokenizer, max_ppl_increase=10.0, ctx=CTX, windows=(32,), dtypes=("int8",),
+                   min_retrieval=None)
+    assert plan.chosen.retrieval is None and plan.retrieval_bound_met is None

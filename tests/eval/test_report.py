@@ -54,6 +54,20 @@ def test_report_table_plot_and_json(variants, tmp_path, capsys):
     assert fp8["resident_weight_bytes"] > fp8["weight_bytes"]  # FP8 resident in the activation dtype
 
 
+def test_retrieval_beside_perplexity(variants, tmp_path, capsys):
+    """Retrieval runs at the report's context, has its own column and the Pareto's second panel,
+    and stays out of the mean accuracy and the recovery."""
+    out = tmp_path / "rep"
+    args = [a if a != "arc_easy,ppl_wikipedia" else "arc_easy,ppl_wikipedia,passkey" for a in ARGS]
+    assert main(["report", str(variants[0]), str(variants[2]), "--names", "orig,mqa", *args, "-o", str(out)]) == 0
+    orig, mqa = json.loads((out / "report.json").read_text())["rows"]
+    assert set(orig["retrieval"]) == {"passkey"} and 0 <= mqa["retrieval"]["passkey"] <= 1
+    assert set(orig["accuracy"]) == {"arc_easy"}
+    table = (out / "report.md").read_text()
+    assert "passkey (retrieval)" in table and "128-token prompt" in table
+    assert (out / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_kv_dtype_rows_and_pareto(variants, tmp_path, capsys):
     """One row per KV dtype of a checkpoint, ratios against the first row, and the Pareto PNG."""
     out = tmp_path / "rep"
