@@ -14,12 +14,16 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, rope: RopeSpec, head_dim: int, max_position_embeddings: int) -> None:
         super().__init__()
-        inv_freq, self.attention_scaling = rope_frequencies(rope, head_dim, max_position_embeddings)
-        # A buffer that no checkpoint holds: it follows the model to its device (a CUDA graph
-        # cannot copy it there on every forward).
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # A plain attribute, not a buffer: derived from the config, not a weight (resident weight
+        # bytes count buffers). Copied once per device on first use, so a CUDA graph captured after
+        # a warm-up step copies nothing.
+        self.inv_freq, self.attention_scaling = rope_frequencies(rope, head_dim, max_position_embeddings)
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions ``[T]`` -> ``(cos, sin)`` each ``[T, 1, head_dim]`` in ``dtype``."""
-        cos, sin = rotary_cos_sin(positions, self.inv_freq, self.attention_scaling, dtype)
+        inv_freq = self._inv_freq_on.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq_on[positions.device] = self.inv_freq.to(positions.device)
+        cos, sin = rotary_cos_sin(positions, inv_freq, self.attention_scaling, dtype)
         return cos[:, None, :], sin[:, None, :]
