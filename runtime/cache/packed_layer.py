@@ -7,13 +7,16 @@ block whose last offset is written is quantized from its residual rows and the r
 and its slot given back; a block filled within one write never takes a slot. A block freed
 while open gives its slot back through ``release`` (the block manager's free hook). Tokens of a
 sequence are written in position order, so offset 0 opens a block and offset ``block_size - 1``
-closes it.
+closes it. Which block holds which slot is kept on the host too (``slot_host``), so opening,
+closing and planning a write read nothing back from the device (on a GPU each such read was a sync
+per open block and layer); the device copy ``slot_of`` is what the kernels read.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -57,26 +60,40 @@ class PackedLayerCache:
         num_blocks, num_slots = self.k_codes.shape[0], self.k_residual.shape[0]
         self.residual_dtype = residual_dtype
         self.slot_of = torch.full((num_blocks,), -1, dtype=torch.long, device=self.k_codes.device)
+        self.slot_host = np.full(num_blocks, -1, dtype=np.int64)  # the same, read without a device sync
         self._free = list(range(num_slots - 1, -1, -1))
 
     @property
     def open_blocks(self) -> int:
-        return int((self.slot_of >= 0).sum())
+        return int((self.slot_host >= 0).sum())
 
-    def _open(self, block: int) -> None:
-        """Give ``block`` a residual slot unless it holds one (a block reopened at offset 0 reuses its own)."""
-        if int(self.slot_of[block]) < 0:
-            if not self._free:
-                raise KvslimError(f"all {self.k_residual.shape[0]} full-precision residual blocks are in use "
-                                  "(more open blocks than running sequences)")
-            self.slot_of[block] = self._free.pop()
+    def _set_slots(self, blocks: list[int], slots: list[int]) -> None:
+        """Record ``blocks`` holding ``slots`` on the host and (one copy, no read back) on the device."""
+        self.slot_host[blocks] = slots
+        pairs = torch.tensor([blocks, slots], dtype=torch.long)
+        if self.slot_of.is_cuda:  # pinned, so the copy queues behind the step's work instead of waiting for it
+            pairs = pairs.pin_memory().to(self.slot_of.device, non_blocking=True)
+        self.slot_of[pairs[0]] = pairs[1]
+
+    def _open(self, blocks: tuple[int, ...]) -> None:
+        """Give each of ``blocks`` a residual slot unless it holds one (a block reopened at offset 0
+        reuses its own)."""
+        new = [b for b in blocks if self.slot_host[b] < 0]
+        if len(new) > len(self._free):
+            raise KvslimError(f"all {self.k_residual.shape[0]} full-precision residual blocks are in use "
+                              "(more open blocks than running sequences)")
+        if new:
+            self._set_slots(new, [self._free.pop() for _ in new])
 
     def release(self, block: int) -> None:
         """Give back ``block``'s residual slot, if it holds one (the block was freed while open)."""
-        slot = int(self.slot_of[block])
-        if slot >= 0:
-            self.slot_of[block] = -1
-            self._free.append(slot)
+        self._release((block,))
+
+    def _release(self, blocks: tuple[int, ...]) -> None:
+        held = [b for b in blocks if self.slot_host[b] >= 0]
+        if held:
+            self._free.extend(int(self.slot_host[b]) for b in held)
+            self._set_slots(held, [-1] * len(held))
 
     def plan_write(self, slots: torch.Tensor) -> WritePlan:
         """Which blocks a write to ``slots [T]`` fills, where each of their rows comes from, and
@@ -102,11 +119,9 @@ class PackedLayerCache:
         plan = self.plan_write(slots)
         if plan.full_blocks:
             quantize(plan)
-            for block in plan.full_blocks:
-                self.release(block)
+            self._release(plan.full_blocks)
         if plan.open_blocks:
-            for block in plan.open_blocks:
-                self._open(block)
+            self._open(plan.open_blocks)
             store(plan.stays)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -131,9 +146,9 @@ class PackedLayerCache:
         """Rows ``[n_full, block_size, kvh, D]`` of the filled blocks in the residual dtype: this
         write's rows ``x`` where ``plan.src >= 0``, else the block's residual row (0 if it holds none)."""
         rows = torch.zeros((plan.full.numel(), *residual.shape[1:]), dtype=residual.dtype, device=residual.device)
-        slot = self.slot_of[plan.full]
-        held = slot >= 0
-        if bool(held.any()):
+        if (self.slot_host[list(plan.full_blocks)] >= 0).any():  # some filled block had rows in a residual slot
+            slot = self.slot_of[plan.full]
+            held = slot >= 0
             rows[held] = residual[slot[held]]
         new = plan.src >= 0
         rows[new] = x[plan.src[new]].to(residual.dtype)
@@ -148,9 +163,9 @@ class PackedLayerCache:
         key_dtype = key_dtype or dtype
         k = dequantize_keys(self.k_codes[flat], self.k_scale[flat], self.k_min[flat], self.bits, key_dtype)
         v = dequantize_values(self.v_codes[flat], self.v_scale[flat], self.v_min[flat], self.bits, dtype)
-        slot = self.slot_of[flat]
-        open_ = slot >= 0
-        if bool(open_.any()):
+        if (self.slot_host >= 0).any():  # some block is open (the host's record: no device read)
+            slot = self.slot_of[flat]
+            open_ = slot >= 0
             k[open_] = self.k_residual[slot[open_]].to(key_dtype)
             v[open_] = self.v_residual[slot[open_]].to(dtype)
         shape = (*blocks.shape[:-1], -1, *k.shape[2:])
