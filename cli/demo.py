@@ -1,13 +1,13 @@
 """`python -m cli.demo` (what `make demo` runs): the main job end to end on the default model.
 
 SmolLM2-135M-Instruct is quantized (FP8 weights + calibrated FP8 KV cache; INT4 by GPTQ with its
-scales then tuned end to end; the
-unquantized tensors stored in bf16, since the default model's own dtype is the GGUF's fp32),
-rewritten (MQA + KV shared by pairs of layers) and briefly healed, given a KV plan (KV dtype,
-sliding window + sinks and full layers chosen under 16% of the bf16 KV bytes at context 2,048, each
-candidate served on a calibration dev slice), then every checkpoint is
-evaluated on kvslim's own runtime (lm-eval through the ``kvslim`` backend, small fixed limits)
-and compared by ``compress report``: bytes, KV capacity, quality, decode speed. Outputs go to
+scales then tuned end to end; the unquantized tensors stored in bf16, since the default model's own
+dtype is the GGUF's fp32), rewritten (MQA + KV shared by pairs of layers) and briefly healed, given
+a KV plan (INT4 KV with a sliding window + sinks and full layers or full KV heads chosen under 16% of
+the bf16 KV bytes at context 2,048, each candidate served on a calibration dev slice, bounded by
+calibration retrieval), then every checkpoint is evaluated on kvslim's own runtime (lm-eval through
+the ``kvslim`` backend, small fixed limits; perplexity and passkey retrieval at context 2,048) and
+compared by ``compress report``: bytes, KV capacity, quality, retrieval, decode speed. Outputs go to
 ``./out/demo`` (overwritten: it is a demo). Each stage prints the command it runs and its wall time.
 """
 from __future__ import annotations
@@ -26,14 +26,17 @@ OUT = Path("out/demo")
 MODEL = "smollm2"
 TASKS = "arc_easy,hellaswag,piqa,ppl_wikipedia,passkey"  # passkey: retrieval of a fact stated once, at CONTEXT
 # Small fixed sizes, so the demo stays within ~20 minutes on 2 idle cores (BENCHMARKS.md has the stage times).
-LIMIT = 30  # docs per lm-eval task
+LIMIT = 24  # docs per lm-eval task
 CONTEXT = 2048  # KV bytes and perplexity at the same context (a window of 1,024 saves nothing below it)
 PPL_TOKENS = 4 * CONTEXT  # wikipedia:eval tokens: every row scored over several full contexts
 HEAL_STEPS = 20  # x 4 x 256 tokens of wikipedia:heal
 KV_CALIB_SAMPLES = 8  # x 512 tokens of wikipedia:calib for the FP8 KV scales
 GPTQ_CALIB_SAMPLES = 16  # x 512 tokens of wikipedia:calib for GPTQ's Hessians and the scale tuning
-TUNE_SCALES_STEPS = 16  # x 4 windows: the INT4 scales tuned end to end after GPTQ (compress/scale_tuning.py)
+TUNE_SCALES_STEPS = 6  # x 4 windows: the INT4 scales tuned end to end after GPTQ (compress/scale_tuning.py)
 KV_BUDGET = 0.16  # the KV plan's budget: >= 6x fewer KV bytes per token than bf16 (eval/kv_plan.py)
+# The plan's KV dtype: int4, what every full search at this budget chose (BENCHMARKS.md section 2);
+# searching bf16 / int8 / int2 too takes the demo's plan stage from ~7 to ~18 minutes.
+PLAN_KV_DTYPES = ("int4",)
 
 
 def stages() -> list[tuple[str, list[str]]]:
@@ -51,8 +54,9 @@ def stages() -> list[tuple[str, list[str]]]:
         (f"convert: MQA + KV shared by pairs of layers, healed {HEAL_STEPS} steps",
          ["convert", MODEL, "--mqa", "--kv-share", "2", "--heal-steps", str(HEAL_STEPS), "--eval-tokens", "0",
           "-o", mqa, "--force"]),
-        (f"convert: KV plan under {KV_BUDGET:g} of the bf16 KV bytes at context 2,048 (served on a dev slice)",
-         ["convert", MODEL, "--kv-budget", str(KV_BUDGET), "-o", plan, "--force"]),
+        (f"convert: KV plan under {KV_BUDGET:g} of the bf16 KV bytes at context 2,048 (served on a dev slice, "
+         "bounded by calibration retrieval)",
+         ["convert", MODEL, "--kv-budget", str(KV_BUDGET), "--kv-dtypes", *PLAN_KV_DTYPES, "-o", plan, "--force"]),
         *[(f"eval on the kvslim runtime: {Path(c).name}", ["eval", c, *eval_args])
           for c in (MODEL, fp8, int4, mqa, plan)],
         ("report",

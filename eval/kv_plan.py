@@ -19,9 +19,10 @@ Perplexity barely sees what a window or a coarse cache loses on a fact stated on
 also bounded by retrieval (``min_retrieval``, default: within 5 points of the original at every
 depth) on calibration retrieval prompts (``eval.retrieval_task``'s ``*_calib`` wording and
 ``wikipedia:calib`` prose, disjoint from the evaluation tasks), served like the perplexity. Streaming
-heads are chosen two ways: by attention mass beyond the window on ordinary text, and DuoAttention's
-way, by the attention the question puts on the fact in those retrieval prompts
-(``attention_variants.retrieval_heads``). The candidates best by dev perplexity are checked in that
+heads are then chosen DuoAttention's way, by the attention the question puts on the fact in those
+retrieval prompts (``attention_variants.retrieval_heads``), instead of by attention mass beyond the
+window on ordinary text (which keeps perplexity as well and lost the early facts in every plan
+measured). The candidates best by dev perplexity are checked in that
 order (at most ``RETRIEVAL_CHECKS``) and the first within the bound is chosen; where none is, the
 one that keeps the most retrieval, and ``plan.json`` says the bound was missed.
 """
@@ -220,13 +221,15 @@ def head_candidates(config: dict, ctx: int, budget_bytes: float | None, head_ran
                     retrieval_ranking: list[tuple[int, int]] | None = None) -> list[Candidate]:
     """Streaming-head choices for one dtype: per window, the most full KV heads the budget allows
     (without a budget: the full-layer ladder's counts in heads), the others streaming;
-    ``head_ranking[W]``: (layer, head) by attention mass beyond W, most first; ``retrieval_ranking``:
-    by attention on the fact in retrieval prompts (the same for every window), giving a second
-    candidate per count. Bytes by allocation."""
+    ``head_ranking[W]``: (layer, head) by attention mass beyond W, most first; ``retrieval_ranking``,
+    when given, replaces it: by the attention the question puts on the fact in retrieval prompts
+    (the same for every window; DuoAttention's criterion). Bytes by allocation."""
     n, kvh = int(config["num_hidden_layers"]), int(config.get("num_key_value_heads") or config["num_attention_heads"])
     out = []
-    rankings = [(w, ranked, "mass") for w, ranked in head_ranking.items()]
-    rankings += [(w, retrieval_ranking, "retrieval") for w in head_ranking] if retrieval_ranking else []
+    if retrieval_ranking:
+        rankings = [(w, retrieval_ranking, "retrieval") for w in head_ranking]
+    else:
+        rankings = [(w, ranked, "mass") for w, ranked in head_ranking.items()]
     for w, ranked, by in rankings:
         f, s = layer_bytes(config, dtype, w, ctx)
         if budget_bytes is None:

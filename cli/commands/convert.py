@@ -63,6 +63,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                            "(e.g. 0.16), the lowest dev perplexity served (writes plan.json)")
     plan.add_argument("--max-ppl-increase", type=float, metavar="P",
                       help="plan the fewest KV bytes whose dev perplexity stays within P of the original's (0.1 = +10%%)")
+    p.add_argument("--kv-dtypes", nargs="+", default=None, metavar="D", choices=("bf16", "int8", "int4", "int2"),
+                   help="with --kv-budget / --max-ppl-increase: the KV dtypes the plan may choose "
+                        "(default: bf16 int8 int4 int2)")
     p.add_argument("--min-retrieval", type=float, default=None, metavar="P",
                    help="with --kv-budget / --max-ppl-increase: keep retrieval of a fact stated once (calibration "
                         "passkey and needle prompts at --ctx, served) within P of the original's accuracy at every "
@@ -89,8 +92,9 @@ def run(args: argparse.Namespace) -> int:
     planning = args.kv_budget is not None or args.max_ppl_increase is not None
     if args.ctx is not None and not planning:
         raise KvslimError("--ctx applies to a KV plan (--kv-budget R or --max-ppl-increase P)")
-    if args.min_retrieval is not None and not planning:
-        raise KvslimError("--min-retrieval applies to a KV plan (--kv-budget R or --max-ppl-increase P)")
+    for flag, value in (("--min-retrieval", args.min_retrieval), ("--kv-dtypes", args.kv_dtypes)):
+        if value is not None and not planning:
+            raise KvslimError(f"{flag} applies to a KV plan (--kv-budget R or --max-ppl-increase P)")
     if planning and _rewrites(args):
         raise KvslimError(f"--kv-budget / --max-ppl-increase choose the window, sinks, full layers and KV dtype "
                           f"themselves; drop {', '.join(_rewrites(args))}")
@@ -136,12 +140,13 @@ def _rewrites(args: argparse.Namespace) -> list[str]:
 
 
 def _plan(args: argparse.Namespace, source) -> int:
-    from eval.kv_plan import DEFAULT_MIN_RETRIEVAL, DEFAULT_PLAN_CTX, plan_kv, write_planned_checkpoint
+    from eval.kv_plan import DEFAULT_MIN_RETRIEVAL, DEFAULT_PLAN_CTX, PLAN_DTYPES, plan_kv, write_planned_checkpoint
     from foundation.atomic import check_output_dir
 
     check_output_dir(Path(args.out), args.force)
     bound = DEFAULT_MIN_RETRIEVAL if args.min_retrieval is None else args.min_retrieval
     plan = plan_kv(source, args.kv_budget, args.max_ppl_increase, args.ctx or DEFAULT_PLAN_CTX, args.calib,
+                   dtypes=tuple(dict.fromkeys(args.kv_dtypes)) if args.kv_dtypes else PLAN_DTYPES,
                    progress=lambda line: print(f"  {line}", flush=True), min_retrieval=None if bound >= 1 else bound)
     out = write_planned_checkpoint(source, plan, args.out, force=args.force)
     c = plan.chosen

@@ -118,16 +118,20 @@ def test_a_bad_plan_file_is_one_line(tmp_path):
     assert KvChoice("int4").config({"a": 1}) == {"a": 1}
 
 
-def test_retrieval_ranked_heads_are_candidates_too(tiny_llama):
+def test_a_retrieval_ranking_chooses_the_full_heads(tiny_llama):
+    """With retrieval prompts (a retrieval bound), the full heads are the ones the question's
+    attention finds the fact through, not those with the most mass beyond the window."""
     config = Checkpoint.open(tiny_llama).config
     original = original_bytes(config, CTX)
     mass = [(3, 1), (1, 0), (0, 0), (2, 1), (3, 0), (1, 1), (0, 1), (2, 0)]
     retrieval = list(reversed(mass))
-    cands = candidates(config, CTX, 0.7 * original, {}, original, ("bf16",), {16: mass}, retrieval)
-    by = {c.choice.heads_by: c for c in cands if c.choice.streaming is not None}
-    assert set(by) == {"mass", "retrieval"}
-    full = {(layer, h) for layer in range(4) for h in range(2) if h not in by["retrieval"].choice.streaming[layer]}
-    assert full == set(retrieval[:len(full)]) and "full heads by retrieval" in by["retrieval"].choice.describe(4)
+    for ranking, by in ((None, "mass"), (retrieval, "retrieval")):
+        heads = [c for c in candidates(config, CTX, 0.7 * original, {}, original, ("bf16",), {16: mass}, ranking)
+                 if c.choice.streaming is not None]
+        assert heads and {c.choice.heads_by for c in heads} == {by}
+        for c in heads:
+            full = {(layer, h) for layer in range(4) for h in range(2) if h not in c.choice.streaming[layer]}
+            assert full == set((ranking or mass)[:len(full)]) and f"full heads by {by}" in c.choice.describe(4)
 
 
 def _fake_retrieval(monkeypatch, passes):
@@ -168,3 +172,22 @@ def test_a_quality_plan_that_no_candidate_keeps_retrieval_for_is_one_line(tiny_w
     plan = plan_kv(tiny_with_tokenizer, max_ppl_increase=10.0, ctx=CTX, windows=(32,), dtypes=("int8",),
                    min_retrieval=None)
     assert plan.chosen.retrieval is None and plan.retrieval_bound_met is None
+
+
+@pytest.mark.parametrize("flag", [["--min-retrieval", "0.1"], ["--kv-dtypes", "int4"]])
+def test_plan_flags_without_a_plan_are_one_line(tiny_with_tokenizer, tmp_path, capsys, flag):
+    from cli.main import main
+
+    assert main(["convert", str(tiny_with_tokenizer), "--mqa", *flag, "-o", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert flag[0] in err and "applies to a KV plan" in err and err.count("\n") == 1
+
+
+def test_the_cli_plans_among_the_given_dtypes(tiny_with_tokenizer, tmp_path, capsys):
+    from cli.main import main
+
+    assert main(["convert", str(tiny_with_tokenizer), "--kv-budget", "0.4", "--ctx", str(CTX), "--kv-dtypes", "int4",
+                 "--min-retrieval", "1", "-o", str(tmp_path / "p")]) == 0
+    doc = read_plan(tmp_path / "p")
+    assert doc["kv_cache_dtype"] == "int4" and {c["kv_dtype"] for c in doc["candidates"]} == {"int4"}
+    assert doc["min_retrieval"] is None and "calibration retrieval" not in capsys.readouterr().out

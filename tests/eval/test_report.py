@@ -49,7 +49,7 @@ def test_report_table_plot_and_json(variants, tmp_path, capsys):
     assert "wikipedia:eval, first 200 tokens, context 128, stride 64" in table
     assert "Context: 128 tokens for bytes and quality alike" in table
     # the decode column says which path ran: FP8 weights dequantized once on a CPU, FP8 KV
-    assert fp8["decode_path"] == "FP8 dequantized once at load (dense GEMM); fp8_e4m3 KV"
+    assert fp8["decode_path"] == "FP8 dequantized once at load, activations FP8 per token (dense GEMM); fp8_e4m3 KV"
     assert orig["decode_path"].startswith("dense GEMM; ")
     assert fp8["resident_weight_bytes"] > fp8["weight_bytes"]  # FP8 resident in the activation dtype
 

@@ -127,10 +127,10 @@ class Fp8Linear(_QuantizedLinear):
 class Fp8DequantizedLinear(_QuantizedLinear):
     """FP8 weights for a device without FP8 GEMMs: dequantized once, stored in the activation dtype."""
 
-    kernel = "FP8 dequantized once at load (dense GEMM)"
-
     def __init__(self, tensors: dict[str, torch.Tensor], scheme: QuantScheme, bias, dtype):
         super().__init__(scheme, tuple(tensors["weight"].shape), bias, dtype)
+        self.kernel = ("FP8 dequantized once at load, activations FP8 per token (dense GEMM)"
+                       if scheme.input_activations is not None else "FP8 dequantized once at load (dense GEMM)")
         weight = dequantize_linear({"weight": tensors["weight"], "weight_scale": tensors["weight_scale"]}, scheme)
         _buffer(self, "weight", weight.to(dtype))
 
