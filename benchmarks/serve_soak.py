@@ -89,7 +89,8 @@ class Server:
         argv = [sys.executable, "-m", "cli.main", "serve", model, "--host", HOST, "--port", str(self.port),
                 "--device", device, "--dtype", dtype, *SERVER_ARGS]
         self.proc = subprocess.Popen(argv, cwd=REPO, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONPATH": str(REPO)})
+                                     env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                         [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])})
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
