@@ -70,7 +70,7 @@ class PackedLayerCache:
     def _set_slots(self, blocks: list[int], slots: list[int]) -> None:
         """Record ``blocks`` holding ``slots`` on the host and (one copy, no read back) on the device."""
         self.slot_host[blocks] = slots
-        pairs = torch.tensor([blocks, slots], dtype=torch.long)
+        pairs = torch.tensor([blocks, slots], dtype=torch.long, device="cpu")
         if self.slot_of.is_cuda:  # pinned, so the copy queues behind the step's work instead of waiting for it
             pairs = pairs.pin_memory().to(self.slot_of.device, non_blocking=True)
         self.slot_of[pairs[0]] = pairs[1]
