@@ -176,8 +176,8 @@ def default_lr(student_config: dict, teacher_config: dict) -> float:
     """Peak learning rate for a rewrite: 2e-4 when it merged KV heads (GQA/MQA, alone or with
     other rewrites), 5e-4 otherwise (KV sharing, sliding windows).
 
-    Measured on the default model with calibrated MQA merges, 5 CPU-minutes each (BENCHMARKS.md,
-    healing levers): MQA 36.3 at 2e-4 vs 46.9 at 5e-4, MQA + kv-share 2 100.2 vs 107.4, kv-share 2
+    Measured on the default model with calibrated MQA merges, 5 CPU-minutes each (benchmarks/results/
+    heal_levers.json): MQA 36.3 at 2e-4 vs 46.9 at 5e-4, MQA + kv-share 2 100.2 vs 107.4, kv-share 2
     76.2 vs 53.8. A calibrated merge starts near a good solution that a high rate unsettles; a
     KV-sharing reader has further to move. Other merges (mean, GQA with several heads) take the
     same rate by extension, unmeasured.

@@ -41,7 +41,7 @@ from foundation.tensor_shapes import (
 
 # A pending shard is held in memory until it is written, so the shard size bounds the writer's
 # share of peak memory: 7B INT4 GPTQ peaks at 1.92 GiB with 256 MiB shards
-# (benchmarks/quant_streaming_memory.py, BENCHMARKS.md).
+# (benchmarks/quant_streaming_memory.py, benchmarks/results/quant_streaming_memory.json).
 DEFAULT_MAX_SHARD_BYTES = 256 * 2**20
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 LmHead = Literal["int8", "int4", "bf16"]

@@ -80,7 +80,7 @@ class _ScaleFactor(nn.Module):
 
 def check_tunable(scheme: QuantScheme) -> None:
     """Refuse schemes that quantize activations: tuning their weight scales raised perplexity on the
-    default model (BENCHMARKS.md, weight quantization quality)."""
+    default model (FP8_DYNAMIC on the dev slice: +1.31% to +1.36% tuned, +0.84% GPTQ alone)."""
     if scheme.input_activations is not None:
         raise KvslimError(f"--tune-scales-steps supports weight-only schemes; {scheme.name} quantizes activations too")
 

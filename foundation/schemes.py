@@ -42,7 +42,7 @@ INT_QUANTIZED = "int-quantized"
 # points (compress.transformers_compat); group 32 over 64 on the calibration dev slice with the
 # default pipeline (GPTQ act-order + mse, 16 tuning steps): +6.46% vs +7.75% perplexity
 # (wikipedia:eval: +9.42% vs +10.95%); asymmetric g32 stays behind --asymmetric
-# (BENCHMARKS.md, "Weight quantization quality").
+# (benchmarks/results/int4_default_choice.json).
 PRESET_INT4_GROUP_SIZE = 64
 DEFAULT_INT4_GROUP_SIZE = 32
 DEFAULT_INT4_SYMMETRIC = True

@@ -315,7 +315,7 @@ def default_options(scheme: QuantScheme) -> GPTQOptions:
     """GPTQ's defaults for ``scheme``: act-order and the mse observer for 4-bit integers, neither
     otherwise.
 
-    Measured on the default model (BENCHMARKS.md, GPTQ section): for INT4 g32 they take GPTQ from
+    Measured on the default model (benchmarks/results/gptq_quality.json): for INT4 g32 they take GPTQ from
     +18.6% to +9.4% perplexity (confirmed on a calibration dev slice, +9.6% -> +4.4%); for FP8
     act-order made GPTQ worse (+2.34% vs +2.00%), and 8-bit grids leave little for either to win.
     """
