@@ -217,13 +217,13 @@ class PagedAttentionBackend:
         self.batch: PagedBatch | None = None
         self._plans: dict[tuple[int, int | None, int, torch.dtype, bool], _ReadPlan] = {}
         # int4/int2: each cache slot's new rows this step, for the layers that read that slot's KV
-        self._fresh: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._new_rows_by_slot: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._rotary: StepKeyRotary | None = None
 
     def set_batch(self, batch: PagedBatch) -> None:
         self.batch = batch
         self._plans = {}
-        self._fresh = {}
+        self._new_rows_by_slot = {}
         self._rotary = StepKeyRotary(batch.positions)
 
     def _read(self, layer_idx: int, blocks: torch.Tensor, key_pos: torch.Tensor, dtype: torch.dtype,
@@ -248,31 +248,33 @@ class PagedAttentionBackend:
             k = k_rotated
         packed = self.cache.is_packed(layer_idx)
         if packed and k is not None:
-            self._fresh[slot] = (k, v)
+            self._new_rows_by_slot[slot] = (k, v)
         elif packed:  # a layer reading another layer's KV reads its new rows exact too
-            k, v = self._fresh.get(slot, (None, None))
+            k, v = self._new_rows_by_slot.get(slot, (None, None))
         softcap = params.softcap is not None
         key = (g, params.window, params.sinks, q.dtype, softcap)
         if key not in self._plans:
             self._plans[key] = _plan(batch, batch.block_tables[g], params.window, params.sinks, q.dtype, softcap)
         plan = self._plans[key]
-        fresh_exact = k is not None and packed  # read this step's rows exact
+        overlay_new_rows = k is not None and packed  # read this step's rows exact
         if plan.decode_blocks is not None and not plan.chunks:  # a pure decode step
             kk, vv = self._read(layer_idx, plan.decode_blocks, plan.decode_key_pos, q.dtype, read_rope)
-            if fresh_exact:
+            if overlay_new_rows:
                 _put_decode_rows(kk, vv, k, v, plan.decode_new_key)
             return _attend_decode(q, kk, vv, plan, params)
         out = torch.empty_like(q)
         if plan.decode_blocks is not None:
             rows = batch.decode_rows
             kk, vv = self._read(layer_idx, plan.decode_blocks, plan.decode_key_pos, q.dtype, read_rope)
-            if fresh_exact:
+            if overlay_new_rows:
                 _put_decode_rows(kk, vv, k[rows], v[rows], plan.decode_new_key)
             out[rows] = _attend_decode(q[rows], kk, vv, plan, params)
-        fresh_ok = k is not None and (fresh_exact or self.cache.stores_exactly(layer_idx, q.dtype))
+        new_rows_cached_exactly = k is not None and (overlay_new_rows
+                                                     or self.cache.stores_exactly(layer_idx, q.dtype))
         for i, rows, blocks, allowed, fresh_at, key_pos in plan.chunks:
             n = rows.stop - rows.start
-            if fresh_ok and batch.first_positions[i] == 0 and (params.window or n) >= n and params.softcap is None:
+            whole_prompt = batch.first_positions[i] == 0 and (params.window or n) >= n
+            if new_rows_cached_exactly and whole_prompt and params.softcap is None:
                 # A whole prompt in one chunk: its keys are exactly this step's k/v.
                 # 4-D inputs: CPU SDPA takes its flash kernel only for those (3-D runs the math path).
                 out[rows] = F.scaled_dot_product_attention(
@@ -281,7 +283,7 @@ class PagedAttentionBackend:
                 )[0].transpose(0, 1)
                 continue
             kk, vv = self._read(layer_idx, blocks, key_pos, q.dtype, read_rope)
-            if fresh_exact:
+            if overlay_new_rows:
                 kk[0, fresh_at:fresh_at + n], vv[0, fresh_at:fresh_at + n] = k[rows], v[rows]
             out[rows] = _attend(q[rows].unsqueeze(0), kk, vv, allowed, params).squeeze(0)
         return out

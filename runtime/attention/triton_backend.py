@@ -47,21 +47,21 @@ class KernelAttentionBackend:
         self.cache = cache
         self.params = tuple(params)
         self.batch: PagedBatch | None = None
-        self._store, self._attention, self._store_packed, self._attention_packed, takes_maxima = _PATHS[use_triton]
-        self._takes_maxima = takes_maxima
-        self._maxima: dict = {}
+        self._store, self._attention, self._store_packed, self._attention_packed, self._takes_launch_bounds = (
+            _PATHS[use_triton])
+        self._launch_bounds: dict = {}
         # int4/int2: each cache slot's new rows this step, for the layers that read that slot's KV
-        self._fresh: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._new_rows_by_slot: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._rotary: StepKeyRotary | None = None
 
     def set_batch(self, batch: PagedBatch, max_context_len: int | None = None) -> None:
         """``max_context_len``: launch the attention for this context whatever the batch holds (a
         CUDA graph's fixed launch shape; each program still reads only its sequence's keys)."""
         self.batch = batch
-        self._fresh = {}
+        self._new_rows_by_slot = {}
         self._rotary = StepKeyRotary(batch.positions)
-        if self._takes_maxima:
-            self._maxima = dict(
+        if self._takes_launch_bounds:
+            self._launch_bounds = dict(
                 max_query_len=max(batch.query_lens, default=0),
                 max_context_len=max_context_len if max_context_len is not None else
                 max((f + n for f, n in zip(batch.first_positions, batch.query_lens)), default=0),
@@ -81,11 +81,12 @@ class KernelAttentionBackend:
             read_rope = rope if lc.keys_before_rope else None  # the kernel rotates each key it reads
             if k is not None:
                 self._store_packed(k if read_rope else k_rotated, v, lc, batch.slot_mapping[g])
-                self._fresh[slot] = (k_rotated, v)
+                self._new_rows_by_slot[slot] = (k_rotated, v)
             # a layer reading another layer's KV reads its new rows exact too
-            k, v = self._fresh.get(slot, (None, None))
-            return self._attention_packed(q, k, v, lc, *meta, sinks=params.sinks, key_rope=read_rope, **self._maxima)
+            k, v = self._new_rows_by_slot.get(slot, (None, None))
+            return self._attention_packed(q, k, v, lc, *meta, sinks=params.sinks, key_rope=read_rope,
+                                          **self._launch_bounds)
         if k is not None:
             self._store(k_rotated, v, lc.k_cache, lc.v_cache, batch.slot_mapping[g], lc.k_scale, lc.v_scale)
         return self._attention(q, lc.k_cache, lc.v_cache, *meta, lc.k_scale, lc.v_scale, sinks=params.sinks,
-                               **self._maxima)
+                               **self._launch_bounds)

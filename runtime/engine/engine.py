@@ -19,8 +19,7 @@ import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
-from typing import Sequence as Seq
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -36,6 +35,8 @@ from runtime.cache.low_bit_kv import default_block_size
 from runtime.device import Placement, cuda_kv_budget
 from runtime.device_choices import DEFAULT_GPU_MEMORY_UTILIZATION
 from runtime.engine.block_manager import BlockManager
+from runtime.engine.cuda_graphs import CudaDecodeGraphs, DecodeRow, DecodeShape
+from runtime.engine.request import Request
 from runtime.engine.sampling import (
     SamplingParams,
     TokenLogprob,
@@ -43,9 +44,7 @@ from runtime.engine.sampling import (
     sample,
     token_logprobs,
 )
-from runtime.engine.cuda_graphs import CudaDecodeGraphs, DecodeRow, DecodeShape
 from runtime.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
-from runtime.engine.sequence import Sequence
 from runtime.model.decode_graphs import DecodeGraphs
 from runtime.model.decoder import Decoder
 
@@ -226,7 +225,7 @@ class Engine:
         return cls(decoder, config, scales, default)
 
     # --- requests ------------------------------------------------------------------------------
-    def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams | None = None) -> int:
+    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None) -> int:
         params = params or SamplingParams()
         rid = next(self._ids)
         stop = set(params.stop_token_ids or ())
@@ -237,7 +236,7 @@ class Engine:
         if not all(0 <= t < vocab for t in ids):
             raise KvslimError(f"token ids must be in [0, {vocab})")
         # Prompt logprobs need every prompt position computed, so such requests skip the prefix cache.
-        seq = Sequence(rid, ids, params.max_tokens, frozenset(stop), params,
+        seq = Request(rid, ids, params.max_tokens, frozenset(stop), params,
                        use_prefix_cache=params.prompt_logprobs is None)
         self.scheduler.add(seq)
         self._sent[rid] = 0
@@ -307,7 +306,7 @@ class Engine:
         self.stats.generated_tokens += len(seqs)
         return sampled
 
-    def _graphed_decode(self, sched: Seq[ScheduledSeq]) -> torch.Tensor | None:
+    def _graphed_decode(self, sched: Sequence[ScheduledSeq]) -> torch.Tensor | None:
         """Hidden states of a pure decode step replayed from a CUDA graph, or None where the step
         is not one (a prefill chunk in it, prompt logprobs wanted, no graphs on this engine)."""
         graphs = self.cuda_graphs
@@ -318,7 +317,7 @@ class Engine:
         return graphs.run([DecodeRow(s.seq.token_slice(s.first_position, s.first_position + 1)[0], s.first_position,
                                      tables(s.seq.seq_id)) for s in sched])
 
-    def _eager_forward(self, sched: Seq[ScheduledSeq]) -> torch.Tensor:
+    def _eager_forward(self, sched: Sequence[ScheduledSeq]) -> torch.Tensor:
         ids: list[int] = []
         for s in sched:
             ids.extend(s.seq.token_slice(s.first_position, s.first_position + s.num_new_tokens))
@@ -335,7 +334,7 @@ class Engine:
             return self.graphs.run(input_ids, batch.positions, self.backend)
         return self.model(input_ids, batch.positions, self.backend)
 
-    def _score_prompt(self, seq: Sequence, first: int, hidden: torch.Tensor) -> None:
+    def _score_prompt(self, seq: Request, first: int, hidden: torch.Tensor) -> None:
         """Append the logprobs of the prompt tokens this chunk's rows predict (once each)."""
         lps = self._prompt_logprobs[seq.seq_id]
         lo = len(lps) - 1 - first  # first row whose target has no logprob yet (recompute skips)
@@ -345,7 +344,7 @@ class Engine:
                                    device=self.device)
             lps.extend(token_logprobs(self.model.compute_logits(hidden[lo:hi]), targets, seq.sampling.prompt_logprobs))
 
-    def _output(self, seq: Sequence) -> StepOutput:
+    def _output(self, seq: Request) -> StepOutput:
         sent = self._sent.get(seq.seq_id, 0)
         self._sent[seq.seq_id] = len(seq.output_token_ids)
         prompt_lps = self._prompt_logprobs.get(seq.seq_id)
@@ -365,7 +364,7 @@ class Engine:
         )
 
     @torch.inference_mode()
-    def score(self, token_ids: Seq[int], pieces: Seq[int] | None = None) -> torch.Tensor:
+    def score(self, token_ids: Sequence[int], pieces: Sequence[int] | None = None) -> torch.Tensor:
         """fp32 logits ``[T, vocab]`` of every position of one sequence, computed through the
         paged cache (so quantized KV is read back as served), fed in ``pieces`` (token counts
         that sum to T; default: chunks of ``max_num_batched_tokens``, or of one block with int4/int2
@@ -402,7 +401,7 @@ class Engine:
 
     # --- offline API ---------------------------------------------------------------------------
     def stream(
-        self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> Iterator[StepOutput]:
         """Add ``prompts`` and step until they finish, yielding each request's output whenever
         it gains a token. Requests already in the engine keep running alongside."""
@@ -423,7 +422,7 @@ class Engine:
                 self.abort(rid)
 
     def generate(
-        self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> list[StepOutput]:
         """Final outputs, in prompt order (``LLM.generate`` semantics)."""
         final = {o.request_id: o for o in self.stream(prompts, params) if o.finished}

@@ -15,7 +15,7 @@ from typing import Mapping
 
 from foundation.errors import KvslimError
 from runtime.engine.block_manager import BlockManager
-from runtime.engine.sequence import Sequence, SequenceStatus
+from runtime.engine.request import Request, RequestStatus
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ScheduledSeq:
-    seq: Sequence
+    seq: Request
     first_position: int  # position of the first new token (= tokens already cached)
     num_new_tokens: int
     samples: bool  # the chunk reaches the sequence's last token: the step samples its next one
@@ -40,7 +40,7 @@ class ScheduledSeq:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -51,14 +51,14 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         self.config = config
         self.bm = block_manager
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
 
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Request) -> None:
         if seq.num_prompt_tokens < 1:
             raise KvslimError(f"request {seq.seq_id}: empty prompt")
         if seq.num_tokens >= self.config.max_model_len:
@@ -68,19 +68,19 @@ class Scheduler:
             )
         if seq.max_tokens < 1:
             raise KvslimError(f"request {seq.seq_id}: max_tokens must be at least 1")
-        seq.status = SequenceStatus.WAITING
+        seq.status = RequestStatus.WAITING
         self.waiting.append(seq)
 
-    def abort(self, seq_id: int) -> Sequence | None:
+    def abort(self, seq_id: int) -> Request | None:
         """Drop a request wherever it is; returns it (status aborted) or None if unknown."""
         for seq in self.waiting:
             if seq.seq_id == seq_id:
                 self.waiting.remove(seq)
-                seq.status = SequenceStatus.FINISHED_ABORTED
+                seq.status = RequestStatus.FINISHED_ABORTED
                 return seq
         for seq in self.running:
             if seq.seq_id == seq_id:
-                self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+                self._finish(seq, RequestStatus.FINISHED_ABORTED)
                 return seq
         return None
 
@@ -118,13 +118,13 @@ class Scheduler:
             if seq.num_preemptions == 0:
                 self.bm.record_prefix_lookup(seq.num_prompt_tokens, hit.num_tokens)
             seq.num_computed_tokens = seq.num_cached_tokens = hit.num_tokens
-            seq.status = SequenceStatus.RUNNING
+            seq.status = RequestStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, hit.num_tokens, n, hit.num_tokens + n == seq.num_tokens))
             budget -= n
         return out
 
-    def postprocess(self, out: SchedulerOutput, sampled: Mapping[int, int]) -> list[Sequence]:
+    def postprocess(self, out: SchedulerOutput, sampled: Mapping[int, int]) -> list[Request]:
         """Advance the scheduled sequences; append ``sampled[seq_id]`` where the step sampled.
         Returns the sequences that finished this step (their blocks are freed)."""
         finished = []
@@ -143,21 +143,21 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
-    def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
+    def _stop_status(self, seq: Request, token: int) -> RequestStatus | None:
         if token in seq.stop_token_ids:
-            return SequenceStatus.FINISHED_STOPPED
+            return RequestStatus.FINISHED_STOPPED
         if len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
-            return SequenceStatus.FINISHED_LENGTH
+            return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Request) -> None:
         self.bm.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
-        seq.status = SequenceStatus.WAITING
+        seq.status = RequestStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+    def _finish(self, seq: Request, status: RequestStatus) -> None:
         self.running.remove(seq)
         self.bm.free(seq.seq_id)
         seq.status = status

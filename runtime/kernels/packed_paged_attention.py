@@ -31,7 +31,7 @@ from runtime.kernels.paged_attention import (
     _tile_start,
     attend_sequences,
     attention_num_warps,
-    batch_maxima,
+    batch_launch_bounds,
     check_attention_inputs,
     plan_launch,
 )
@@ -269,7 +269,7 @@ def packed_paged_attention(
     S = context_lens.shape[0]
     if T == 0 or S == 0:
         return torch.empty_like(q)
-    max_query_len, max_context_len = batch_maxima(query_start_loc, context_lens, max_query_len, max_context_len)
+    max_query_len, max_context_len = batch_launch_bounds(query_start_loc, context_lens, max_query_len, max_context_len)
     res, codes, ks, vs = cache.k_residual, cache.k_codes, cache.k_scale, cache.v_scale
     kvh = res.shape[2]
     q = q.contiguous()

@@ -275,8 +275,8 @@ def plan_launch(q: torch.Tensor, kvh: int, num_seqs: int, max_query_len: int, ma
     return LaunchPlan(block_m, block_q, splits, grid, out, target, lse)
 
 
-def batch_maxima(query_start_loc: torch.Tensor, context_lens: torch.Tensor, max_query_len: int | None,
-                 max_context_len: int | None) -> tuple[int, int]:
+def batch_launch_bounds(query_start_loc: torch.Tensor, context_lens: torch.Tensor, max_query_len: int | None,
+                        max_context_len: int | None) -> tuple[int, int]:
     """The longest query and context of the batch, read from the device only when not given."""
     S = context_lens.shape[0]
     if max_query_len is None:
@@ -312,7 +312,7 @@ def paged_attention(
     kvh = k_cache.shape[2]
     if T == 0 or S == 0:
         return torch.empty_like(q)
-    max_query_len, max_context_len = batch_maxima(query_start_loc, context_lens, max_query_len, max_context_len)
+    max_query_len, max_context_len = batch_launch_bounds(query_start_loc, context_lens, max_query_len, max_context_len)
     q = q.contiguous()
     plan = plan_launch(q, kvh, S, max_query_len, max_context_len, num_splits)
     quant = k_cache.dtype not in (torch.bfloat16, torch.float16, torch.float32)

@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runtime.engine.block_manager import RELEASED, BlockManager
+from runtime.engine.request import Request, RequestStatus
 from runtime.engine.scheduler import Scheduler, SchedulerConfig
-from runtime.engine.sequence import Sequence, SequenceStatus
 
 MAX_MODEL_LEN = 48
 STOP = 1
@@ -23,7 +23,7 @@ request = st.tuples(
 )
 
 
-def fake_token(seq: Sequence) -> int:
+def fake_token(seq: Request) -> int:
     h = (seq.seq_id * 7919 + seq.num_tokens * 104729) % 97
     return STOP if h == 0 else 2 + h % 50
 
@@ -61,7 +61,7 @@ def test_scheduler_invariants(reqs, block_size, extra_blocks, window, prefix_cac
     seqs = []
     for i, (arrive, pre, n, max_tokens, abort) in enumerate(reqs):
         prompt = PREFIXES[pre] + [300 + i * 20 + j for j in range(n)]
-        seqs.append((arrive, abort, Sequence(i, prompt, max_tokens, frozenset({STOP}))))
+        seqs.append((arrive, abort, Request(i, prompt, max_tokens, frozenset({STOP}))))
     content: dict[tuple[int, int], dict[int, int]] = {}
     added, step = set(), 0
     while step < 2000:
@@ -71,7 +71,7 @@ def test_scheduler_invariants(reqs, block_size, extra_blocks, window, prefix_cac
                 added.add(seq.seq_id)
             if abort == step and seq.seq_id in added and not seq.is_finished:
                 assert sched.abort(seq.seq_id) is seq
-                assert seq.status == SequenceStatus.FINISHED_ABORTED
+                assert seq.status == RequestStatus.FINISHED_ABORTED
         if not sched.has_unfinished and step > 12:
             break
         out = sched.schedule()
@@ -101,9 +101,9 @@ def test_scheduler_invariants(reqs, block_size, extra_blocks, window, prefix_cac
     assert added == {s.seq_id for _, _, s in seqs}
     for _, abort, seq in seqs:
         assert seq.is_finished
-        if seq.status == SequenceStatus.FINISHED_LENGTH:
+        if seq.status == RequestStatus.FINISHED_LENGTH:
             assert len(seq.output_token_ids) == seq.max_tokens or seq.num_tokens == MAX_MODEL_LEN
-        elif seq.status == SequenceStatus.FINISHED_STOPPED:
+        elif seq.status == RequestStatus.FINISHED_STOPPED:
             assert seq.output_token_ids[-1] == STOP and STOP not in seq.output_token_ids[:-1]
         else:
             assert abort is not None
@@ -118,11 +118,11 @@ def test_shared_prompt_is_computed_once():
     bm = BlockManager([64], 4, [None], True)
     sched = Scheduler(SchedulerConfig(8, 256, 128), bm)
     system = list(range(10, 42))  # 32 tokens = 8 blocks
-    first = Sequence(0, system + [1000, 1001], 2)
+    first = Request(0, system + [1000, 1001], 2)
     sched.add(first)
     out = sched.schedule()
     sched.postprocess(out, {0: 5})
-    others = [Sequence(i, system + [2000 + i], 2) for i in range(1, 4)]
+    others = [Request(i, system + [2000 + i], 2) for i in range(1, 4)]
     for s in others:
         sched.add(s)
     out = sched.schedule()
@@ -140,7 +140,7 @@ def test_shared_prompt_is_computed_once():
 def test_preemption_by_recompute_keeps_outputs():
     bm = BlockManager([6], 2, [None], False)  # 12 token slots
     sched = Scheduler(SchedulerConfig(4, 64, 12), bm)
-    a, b = Sequence(0, [1, 2, 3, 4], 6), Sequence(1, [5, 6, 7, 8], 6)
+    a, b = Request(0, [1, 2, 3, 4], 6), Request(1, [5, 6, 7, 8], 6)
     sched.add(a)
     sched.add(b)
     preempted = 0

@@ -1,4 +1,4 @@
-"""Request / sequence state shared by the scheduler and the engine (no tensors)."""
+"""A request's state, shared by the scheduler and the engine (no tensors)."""
 from __future__ import annotations
 
 import enum
@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-class SequenceStatus(enum.Enum):
+class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED_STOPPED = "stop"  # stop token / EOS
@@ -15,11 +15,11 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self not in (SequenceStatus.WAITING, SequenceStatus.RUNNING)
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
 
 
 @dataclass
-class Sequence:
+class Request:
     """One request: its prompt, generated tokens and how much of it the cache holds.
 
     ``num_computed_tokens`` counts tokens whose K/V is in the cache; preemption resets it to 0
@@ -37,7 +37,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at (last) admission
     num_preemptions: int = 0
-    status: SequenceStatus = SequenceStatus.WAITING
+    status: RequestStatus = RequestStatus.WAITING
 
     @property
     def num_tokens(self) -> int:
