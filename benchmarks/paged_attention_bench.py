@@ -43,7 +43,7 @@ def kv_setup(kv: str, torch):
 def make_batch(B, ctx, q_len, H, KVH, D, kv, device, q_dtype, torch):
     """A batch of B sequences of ``ctx`` cached tokens (blocks shuffled), ``q_len`` new each,
     written through the Triton store (CUDA) or the reference store (smoke)."""
-    from runtime.kernels import dispatch
+    from runtime.kernels import kv_store as kvs
 
     dtype, scales = kv_setup(kv, torch)
     blocks_per_seq = -(-ctx // BLOCK_SIZE)
@@ -61,7 +61,8 @@ def make_batch(B, ctx, q_len, H, KVH, D, kv, device, q_dtype, torch):
     slots = (block_tables.long()[:, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE).reshape(-1)
     k = torch.randn(B * ctx, KVH, D, device=device, dtype=q_dtype)
     v = torch.randn(B * ctx, KVH, D, device=device, dtype=q_dtype)
-    dispatch.store_kv(k, v, k_cache, v_cache, slots, k_scale, v_scale)
+    store = kvs.store_kv if torch.device(device).type == "cuda" else kvs.reference_store_kv
+    store(k, v, k_cache, v_cache, slots, k_scale, v_scale)
     q = torch.randn(B * q_len, H, D, device=device, dtype=q_dtype)
     context_lens = torch.full((B,), ctx, dtype=torch.int32, device=device)
     qsl = torch.arange(0, B * q_len + 1, q_len, dtype=torch.int32, device=device)

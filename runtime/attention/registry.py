@@ -1,4 +1,4 @@
-"""Attention backends by name, each imported only when chosen (the Triton one needs ``triton``).
+"""Attention backends by name.
 
     backend = make_attention_backend("torch", cache, params)
 
@@ -11,17 +11,18 @@ A new backend (a GPU library, a quantized-KV layout) registers here; the engine 
 """
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 
 from foundation.errors import KvslimError
 from runtime.attention.backend import AttentionParams
+from runtime.attention.paged import PagedAttentionBackend
+from runtime.attention.triton_backend import KernelAttentionBackend
 from runtime.cache.kv_cache import KVCache
 
-# name -> (module, class); the class takes (cache, per-layer params) and has set_batch / attend.
-ATTENTION_BACKENDS: dict[str, tuple[str, str]] = {
-    "torch": ("runtime.attention.paged", "PagedAttentionBackend"),
-    "triton": ("runtime.attention.triton_backend", "KernelAttentionBackend"),
+# name -> class; the class takes (cache, per-layer params) and has set_batch / attend.
+ATTENTION_BACKENDS: dict[str, type] = {
+    "torch": PagedAttentionBackend,
+    "triton": KernelAttentionBackend,
 }
 DEFAULT_ATTENTION_BACKEND = "torch"
 
@@ -31,8 +32,7 @@ def make_attention_backend(name: str, cache: KVCache, params: Sequence[Attention
     backend's ``use_triton``); one line naming the choices otherwise."""
     if name not in ATTENTION_BACKENDS:
         raise KvslimError(f"attention backend {name!r} is not known (known: {', '.join(ATTENTION_BACKENDS)})")
-    module, cls = ATTENTION_BACKENDS[name]
-    return getattr(importlib.import_module(module), cls)(cache, params, **options)
+    return ATTENTION_BACKENDS[name](cache, params, **options)
 
 
 def default_attention_backend(kernels: str) -> str:

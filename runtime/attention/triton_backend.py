@@ -2,7 +2,7 @@
 
 Same interface as ``runtime.attention.paged.PagedAttentionBackend`` (``set_batch`` then ``attend``
 per layer), but each layer is one store (quantize on write) and one paged attention call over the
-whole flattened batch, routed by ``dispatch``: Triton on CUDA, the plain-torch references on CPU.
+whole flattened batch: Triton on CUDA, the plain-torch references on CPU.
 bf16/fp16/fp32/fp8/int8 layers take ``store_kv`` and ``paged_attention``; packed int4/int2 layers
 (``PackedLayerCache``) ``store_packed_kv`` and ``packed_paged_attention``, which reads the
 step's own new rows exact from ``k``/``v``, as the torch path. Layers that read another layer's
@@ -21,34 +21,35 @@ from runtime.attention.key_rope import StepKeyRotary
 from runtime.attention.paged import PagedBatch
 from runtime.cache.kv_cache import KVCache
 from runtime.cache.packed_layer import PackedLayerCache
-from runtime.kernels import dispatch
-from runtime.kernels import kv_store as kvs
-from runtime.kernels import packed_kv_store as pks
-from runtime.kernels import packed_paged_attention as ppa
-from runtime.kernels import paged_attention as pa
 
-# use_triton -> (store, attention, packed store, packed attention, whether attention takes the batch maxima)
-_PATHS = {
-    None: (dispatch.store_kv, dispatch.paged_attention, dispatch.store_packed_kv, dispatch.packed_paged_attention, True),
-    True: (kvs.store_kv, pa.paged_attention, pks.store_packed_kv, ppa.packed_paged_attention, True),
-    False: (kvs.reference_store_kv, pa.reference_paged_attention, pks.reference_store_packed_kv,
-            ppa.reference_packed_paged_attention, False),
-}
+
+def _kernels(use_triton: bool) -> tuple:
+    """(store, attention, packed store, packed attention): the Triton kernels or their plain-torch
+    references, one signature each. Imported here: ``triton`` is an optional extra."""
+    from runtime.kernels import kv_store as kvs
+    from runtime.kernels import packed_kv_store as pks
+    from runtime.kernels import packed_paged_attention as ppa
+    from runtime.kernels import paged_attention as pa
+
+    if use_triton:
+        return kvs.store_kv, pa.paged_attention, pks.store_packed_kv, ppa.packed_paged_attention
+    return (kvs.reference_store_kv, pa.reference_paged_attention, pks.reference_store_packed_kv,
+            ppa.reference_packed_paged_attention)
 
 
 class KernelAttentionBackend:
-    """Paged attention through ``runtime.kernels``.
-
-    ``use_triton``: None routes by device (``dispatch``); True forces the Triton kernels (on CPU
-    only under ``TRITON_INTERPRET=1``, for tests); False forces the torch references.
+    """Paged attention through ``runtime.kernels``, chosen once here: the Triton kernels on a CUDA
+    cache, their torch references elsewhere. ``use_triton`` overrides that choice (True on a CPU
+    runs the Triton kernels under ``TRITON_INTERPRET=1``, for tests; False the references on CUDA).
     """
 
     def __init__(self, cache: KVCache, params: Sequence[AttentionParams], use_triton: bool | None = None):
         self.cache = cache
         self.params = tuple(params)
         self.batch: PagedBatch | None = None
-        self._store, self._attention, self._store_packed, self._attention_packed, self._takes_launch_bounds = (
-            _PATHS[use_triton])
+        if use_triton is None:
+            use_triton = cache.device.type == "cuda"
+        self._store, self._attention, self._store_packed, self._attention_packed = _kernels(use_triton)
         self._launch_bounds: dict = {}
         # int4/int2: each cache slot's new rows this step, for the layers that read that slot's KV
         self._new_rows_by_slot: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -60,12 +61,11 @@ class KernelAttentionBackend:
         self.batch = batch
         self._new_rows_by_slot = {}
         self._rotary = StepKeyRotary(batch.positions)
-        if self._takes_launch_bounds:
-            self._launch_bounds = dict(
-                max_query_len=max(batch.query_lens, default=0),
-                max_context_len=max_context_len if max_context_len is not None else
-                max((f + n for f, n in zip(batch.first_positions, batch.query_lens)), default=0),
-            )
+        self._launch_bounds = dict(
+            max_query_len=max(batch.query_lens, default=0),
+            max_context_len=max_context_len if max_context_len is not None else
+            max((f + n for f, n in zip(batch.first_positions, batch.query_lens)), default=0),
+        )
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
         batch = self.batch

@@ -259,6 +259,7 @@ class KVCache:
         avail = available_memory_bytes() if torch.device(device).type == "cpu" else None
         if avail is not None and nbytes > avail:
             raise KvslimError(f"a KV cache of {mib} MiB does not fit in memory ({avail // MIB} MiB available)")
+        self.device = torch.device(device)
         try:
             self._allocate(device)
         except RuntimeError as e:  # torch's allocators: "can't allocate memory" / "Tried to allocate"

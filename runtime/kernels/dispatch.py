@@ -1,9 +1,8 @@
-"""Route each op by device and declared scheme: CUDA tensors to the Triton kernels (or
+"""Route a quantized Linear by device and declared scheme: CUDA tensors to the Triton kernels (or
 ``torch._scaled_mm`` for FP8 W8A8), CPU tensors to the plain-torch reference paths;
 ``use_triton=True`` sends CPU tensors to the Triton kernels too (Triton's interpreter, for tests
-and ``--kernels triton`` on a machine without a GPU).
-
-The engine calls these functions; which implementation runs is decided here only.
+and ``--kernels triton`` on a machine without a GPU). Attention chooses its kernels once, in
+``runtime.attention.triton_backend``.
 """
 from __future__ import annotations
 
@@ -15,13 +14,7 @@ import torch
 
 from foundation.errors import KvslimError
 from foundation.schemes import QuantScheme
-from runtime.attention.key_rope import KeyRope
-from runtime.cache.packed_layer import PackedLayerCache
 from runtime.kernels import dequant_matmul as dm
-from runtime.kernels import kv_store as kvs
-from runtime.kernels import packed_kv_store as pks
-from runtime.kernels import packed_paged_attention as ppa
-from runtime.kernels import paged_attention as pa
 
 
 @dataclass(frozen=True)
@@ -93,73 +86,3 @@ def quantized_linear(
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
-def store_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> None:
-    """Write new K/V into a paged cache group, quantizing on write (see ``kv_store``)."""
-    fn = kvs.store_kv if _on_cuda(k_cache) else kvs.reference_store_kv
-    fn(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-
-
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    window: int | None = None,
-    softcap: float | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    max_query_len: int | None = None,
-    max_context_len: int | None = None,
-    sinks: int = 0,
-) -> torch.Tensor:
-    """Attention of the step's tokens over their paged context (see ``paged_attention``).
-    The host-side maxima spare the Triton path a device sync."""
-    args = (q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, window, softcap, k_scale, v_scale)
-    if _on_cuda(q):
-        return pa.paged_attention(*args, max_query_len=max_query_len, max_context_len=max_context_len, sinks=sinks)
-    return pa.reference_paged_attention(*args, sinks=sinks)
-
-
-def store_packed_kv(k: torch.Tensor, v: torch.Tensor, cache: PackedLayerCache, slot_mapping: torch.Tensor) -> None:
-    """Write new K/V into a packed int4/int2 layer, quantizing the blocks it fills (see ``packed_kv_store``)."""
-    fn = pks.store_packed_kv if _on_cuda(cache.k_codes) else pks.reference_store_packed_kv
-    fn(k, v, cache, slot_mapping)
-
-
-def packed_paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor | None,
-    v: torch.Tensor | None,
-    cache: PackedLayerCache,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    window: int | None = None,
-    softcap: float | None = None,
-    max_query_len: int | None = None,
-    max_context_len: int | None = None,
-    sinks: int = 0,
-    key_rope: KeyRope | None = None,
-) -> torch.Tensor:
-    """Attention of the step's tokens over a packed int4/int2 layer, their own new rows ``k``, ``v``
-    read exact, cached keys rotated by ``key_rope`` when the layer stores them before RoPE (see
-    ``packed_paged_attention``)."""
-    args = (q, k, v, cache, block_tables, context_lens, query_start_loc, scale, window, softcap)
-    if _on_cuda(q):
-        return ppa.packed_paged_attention(*args, max_query_len=max_query_len, max_context_len=max_context_len,
-                                          sinks=sinks, key_rope=key_rope)
-    return ppa.reference_packed_paged_attention(*args, sinks=sinks, key_rope=key_rope)

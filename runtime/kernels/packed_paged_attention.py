@@ -309,11 +309,13 @@ def reference_packed_paged_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    max_query_len: int | None = None,
+    max_context_len: int | None = None,
     sinks: int = 0,
     key_rope: KeyRope | None = None,
 ) -> torch.Tensor:
-    """Plain-torch oracle (and CPU path) for ``packed_paged_attention``, the torch path's read:
-    per sequence, ``PackedLayerCache.gather`` in fp32 (keys rotated by ``key_rope`` at their
+    """Plain-torch oracle (and CPU path) for ``packed_paged_attention`` (launch bounds ignored), the
+    torch path's read: per sequence, ``PackedLayerCache.gather`` in fp32 (keys rotated by ``key_rope`` at their
     positions), the step's own rows overwritten with ``k``/``v``, then ``reference_attention``."""
     _check_inputs(q, k, v, cache, block_tables, context_lens, query_start_loc, key_rope)
     bs = cache.block_size

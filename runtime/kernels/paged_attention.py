@@ -380,10 +380,13 @@ def reference_paged_attention(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+    max_context_len: int | None = None,
     sinks: int = 0,
 ) -> torch.Tensor:
     """Plain-torch oracle (and CPU path) for ``paged_attention``: per sequence, gather and
-    dequantize its cache, then ``attention_backend.reference_attention``."""
+    dequantize its cache, then ``attention_backend.reference_attention``. The launch bounds
+    (``max_query_len``, ``max_context_len``) are the kernel's; the reference reads each sequence's own."""
     _check_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, k_scale, v_scale)
 
     def gather(s: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:

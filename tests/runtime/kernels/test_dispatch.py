@@ -5,7 +5,6 @@ from foundation import primitives, schemes
 from foundation.errors import KvslimError
 from runtime.kernels import dequant_matmul as dm
 from runtime.kernels import dispatch
-from tests.runtime.kernels.paged_setup import make_paged_batch
 
 
 @pytest.mark.parametrize("scheme,expected", [
@@ -49,13 +48,6 @@ def test_quantized_linear_checks_declared_symmetry():
         dispatch.quantized_linear(torch.randn(1, 64), dispatch.WeightScheme("int", 4, True), tensors)
 
 
-def test_attention_and_store_cpu_paths():
-    b = make_paged_batch([6, 3], [2, 1], 4, 2, 16, torch.int8, "token")
-    out = dispatch.paged_attention(*b.args(), scale=0.25, k_scale=b.k_scale, v_scale=b.v_scale)
-    assert out.shape == b.q.shape
-    k = torch.randn(1, 2, 16)
-    dispatch.store_kv(k, k, b.k_cache, b.v_cache, torch.tensor([0]), b.k_scale, b.v_scale)
-    assert b.k_scale[0, 0].tolist() == (k[0].abs().amax(-1) / 127).tolist()
 
 
 @pytest.mark.parametrize("scheme", [schemes.W4A16, schemes.W4A16_ASYM, schemes.W8A16, schemes.FP8_DYNAMIC])
