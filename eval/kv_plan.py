@@ -56,7 +56,7 @@ CALIB_SEQS = 2  # calibration windows of N tokens for the layer ranking
 DEV_WINDOWS = 2  # dev slice: 2 x N tokens after the calibration windows (3 scored windows at stride N/2)
 RETRIEVAL_CALIB = ("passkey_calib", "needle_calib")  # eval.retrieval_task: never the evaluation wording
 RETRIEVAL_DEPTHS = (0, 25, 50, 75, 100)
-RETRIEVAL_SAMPLES = 1  # prompts per task and depth: 2 per depth over both tasks
+RETRIEVAL_SAMPLES = 1  # default prompts per task and depth: 2 per depth over both tasks (the demo's budget)
 RETRIEVAL_CHECKS = 6  # candidates whose retrieval is served, best dev perplexity first
 DEFAULT_MIN_RETRIEVAL = 0.05  # at most this far below the original's accuracy at any depth
 
@@ -355,11 +355,12 @@ def within(retrieval: dict[int, float], original: dict[int, float], drop: float)
     return all(retrieval.get(d, 0.0) >= acc - drop - 1e-9 for d, acc in original.items())
 
 
-def retrieval_prompts(tokenizer, ctx: int) -> list:
-    """The calibration retrieval prompts at ``ctx`` (``eval.retrieval_task``, calibration wording)."""
+def retrieval_prompts(tokenizer, ctx: int, samples: int = RETRIEVAL_SAMPLES) -> list:
+    """The calibration retrieval prompts at ``ctx`` (``eval.retrieval_task``, calibration wording),
+    ``samples`` per task and depth."""
     from eval.retrieval_task import RetrievalTask
 
-    tasks = [RetrievalTask(name, contexts=(ctx,), depths=RETRIEVAL_DEPTHS, samples=RETRIEVAL_SAMPLES)
+    tasks = [RetrievalTask(name, contexts=(ctx,), depths=RETRIEVAL_DEPTHS, samples=samples)
              for name in RETRIEVAL_CALIB]
     return [p for task in tasks for p in task.prompts(tokenizer)]
 
@@ -379,15 +380,19 @@ def retrieval_rank(model_dir: Path, tokenizer, prompts: list) -> list[tuple[int,
 def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase: float | None = None,
             ctx: int = DEFAULT_PLAN_CTX, calib: str | None = None, windows: tuple[int, ...] = PLAN_WINDOWS,
             dtypes: tuple[str, ...] = PLAN_DTYPES, progress: Callable[[str], None] = lambda _: None,
-            heads: bool = True, min_retrieval: float | None = DEFAULT_MIN_RETRIEVAL) -> KvPlan:
+            heads: bool = True, min_retrieval: float | None = DEFAULT_MIN_RETRIEVAL,
+            retrieval_samples: int = RETRIEVAL_SAMPLES) -> KvPlan:
     """Choose the KV layout and dtype for ``model_dir`` (see the module docstring); ``heads``:
     streaming-head candidates too; ``min_retrieval``: the most a plan's calibration retrieval may fall
-    below the original's at any depth (None: no retrieval bound, none measured)."""
+    below the original's at any depth (None: no retrieval bound, none measured), measured on
+    ``retrieval_samples`` prompts per calibration task and depth."""
     ckpt = Checkpoint.open(model_dir)
     config = ckpt.config
     layout = check_request(config, budget, max_ppl_increase, ctx)
     if min_retrieval is not None and not 0 <= min_retrieval <= 1:
         raise KvslimError(f"--min-retrieval {min_retrieval} must be in [0, 1] (points of accuracy below the original)")
+    if retrieval_samples < 1:
+        raise KvslimError(f"--retrieval-samples must be a positive integer, got {retrieval_samples}")
     n = layout.num_layers
     windows = tuple(w for w in windows if w < ctx)
     source = calib or DEFAULT_CALIB
@@ -399,7 +404,7 @@ def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase
     dev_text = f"{source} tokens [{CALIB_SEQS * ctx}, {(CALIB_SEQS + DEV_WINDOWS) * ctx})"
     progress(f"ranking layers and KV heads by attention mass beyond windows {list(windows)} on {calibration}")
     ranking, head_ranking = rank(ckpt.path, calib_ids, windows) if windows else ({}, {})
-    prompts = retrieval_prompts(tokenizer, ctx) if min_retrieval is not None else []
+    prompts = retrieval_prompts(tokenizer, ctx, retrieval_samples) if min_retrieval is not None else []
     prompt_text = (f"{len(prompts)} prompts of {ctx} tokens: {', '.join(RETRIEVAL_CALIB)} at depths "
                    f"{', '.join(map(str, RETRIEVAL_DEPTHS))}%" if prompts else "")
     retrieval_ranking = None

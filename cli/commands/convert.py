@@ -70,6 +70,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="with --kv-budget / --max-ppl-increase: keep retrieval of a fact stated once (calibration "
                         "passkey and needle prompts at --ctx, served) within P of the original's accuracy at every "
                         "depth (default 0.05: 5 points; 1: no retrieval bound)")
+    p.add_argument("--retrieval-samples", type=int, default=None, metavar="N",
+                   help="with the retrieval bound: calibration prompts per task and depth (default 1: 10 prompts, "
+                        "where one miss moves a depth by 50 points; more make the bound stricter and slower)")
     p.add_argument("--ctx", type=int, help="with --kv-budget / --max-ppl-increase: the context the plan's bytes and "
                                            "perplexity are measured at (default 2048)")
     p.add_argument("--eval-tokens", type=int, default=4096,
@@ -92,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
     planning = args.kv_budget is not None or args.max_ppl_increase is not None
     if args.ctx is not None and not planning:
         raise KvslimError("--ctx applies to a KV plan (--kv-budget R or --max-ppl-increase P)")
-    for flag, value in (("--min-retrieval", args.min_retrieval), ("--kv-dtypes", args.kv_dtypes)):
+    for flag, value in (("--min-retrieval", args.min_retrieval), ("--kv-dtypes", args.kv_dtypes),
+                        ("--retrieval-samples", args.retrieval_samples)):
         if value is not None and not planning:
             raise KvslimError(f"{flag} applies to a KV plan (--kv-budget R or --max-ppl-increase P)")
     if planning and _rewrites(args):
@@ -140,14 +144,22 @@ def _rewrites(args: argparse.Namespace) -> list[str]:
 
 
 def _plan(args: argparse.Namespace, source) -> int:
-    from eval.kv_plan import DEFAULT_MIN_RETRIEVAL, DEFAULT_PLAN_CTX, PLAN_DTYPES, plan_kv, write_planned_checkpoint
+    from eval.kv_plan import (
+        DEFAULT_MIN_RETRIEVAL,
+        DEFAULT_PLAN_CTX,
+        PLAN_DTYPES,
+        RETRIEVAL_SAMPLES,
+        plan_kv,
+        write_planned_checkpoint,
+    )
     from foundation.atomic import check_output_dir
 
     check_output_dir(Path(args.out), args.force)
     bound = DEFAULT_MIN_RETRIEVAL if args.min_retrieval is None else args.min_retrieval
     plan = plan_kv(source, args.kv_budget, args.max_ppl_increase, args.ctx or DEFAULT_PLAN_CTX, args.calib,
                    dtypes=tuple(dict.fromkeys(args.kv_dtypes)) if args.kv_dtypes else PLAN_DTYPES,
-                   progress=lambda line: print(f"  {line}", flush=True), min_retrieval=None if bound >= 1 else bound)
+                   progress=lambda line: print(f"  {line}", flush=True), min_retrieval=None if bound >= 1 else bound,
+                   retrieval_samples=args.retrieval_samples or RETRIEVAL_SAMPLES)
     out = write_planned_checkpoint(source, plan, args.out, force=args.force)
     c = plan.chosen
     print(f"plan: {c.choice.describe(plan.num_layers)}")

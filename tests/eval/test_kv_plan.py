@@ -157,6 +157,22 @@ def test_a_budget_plan_takes_the_best_perplexity_within_the_retrieval_bound(tiny
     assert "passkey_calib" in doc["retrieval_prompts"]
 
 
+def test_retrieval_samples_set_the_calibration_prompts(tiny_with_tokenizer, monkeypatch):
+    """``retrieval_samples`` prompts per calibration task and depth reach the served check, and a
+    count below 1 is one line."""
+    import eval.kv_plan as kv_plan
+
+    seen = []
+    _fake_retrieval(monkeypatch, lambda config, kv: True)
+    served = kv_plan.served_retrieval
+    monkeypatch.setattr(kv_plan, "served_retrieval", lambda *a: seen.append(len(a[3])) or served(*a))
+    plan = plan_kv(tiny_with_tokenizer, budget=0.6, ctx=CTX, windows=(16,), dtypes=("int8",), retrieval_samples=3)
+    per_check = 3 * len(kv_plan.RETRIEVAL_CALIB) * len(kv_plan.RETRIEVAL_DEPTHS)
+    assert seen and set(seen) == {per_check} and plan.retrieval_prompts.startswith(f"{per_check} prompts")
+    with pytest.raises(KvslimError, match="--retrieval-samples must be a positive integer"):
+        plan_kv(tiny_with_tokenizer, budget=0.6, ctx=CTX, windows=(16,), dtypes=("int8",), retrieval_samples=0)
+
+
 def test_a_budget_plan_missing_the_bound_keeps_the_most_retrieval_and_says_so(tiny_with_tokenizer, monkeypatch):
     _fake_retrieval(monkeypatch, lambda config, kv: kv == "bf16" and "sliding_window" not in config
                     and "streaming_heads" not in config)
@@ -174,7 +190,7 @@ def test_a_quality_plan_that_no_candidate_keeps_retrieval_for_is_one_line(tiny_w
     assert plan.chosen.retrieval is None and plan.retrieval_bound_met is None
 
 
-@pytest.mark.parametrize("flag", [["--min-retrieval", "0.1"], ["--kv-dtypes", "int4"]])
+@pytest.mark.parametrize("flag", [["--min-retrieval", "0.1"], ["--kv-dtypes", "int4"], ["--retrieval-samples", "4"]])
 def test_plan_flags_without_a_plan_are_one_line(tiny_with_tokenizer, tmp_path, capsys, flag):
     from cli.main import main
 
