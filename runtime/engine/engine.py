@@ -237,7 +237,7 @@ class Engine:
             raise KvslimError(f"token ids must be in [0, {vocab})")
         # Prompt logprobs need every prompt position computed, so such requests skip the prefix cache.
         seq = Request(rid, ids, params.max_tokens, frozenset(stop), params,
-                       use_prefix_cache=params.prompt_logprobs is None)
+                      use_prefix_cache=params.prompt_logprobs is None)
         self.scheduler.add(seq)
         self._sent[rid] = 0
         self._generators[rid] = make_generator(params, self.device)
