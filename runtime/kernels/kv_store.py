@@ -156,10 +156,14 @@ def store_kv(
     if T == 0:
         return
     store_kv_kernel[(T,)](
-        k, v, k_cache, v_cache, scale_k, scale_v, slot_mapping,
-        kvh, d, k_cache.shape[1],
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_sb, stride_ss,
+        # the new rows and where each goes
+        k_ptr=k, v_ptr=v, stride_kt=k.stride(0), stride_kh=k.stride(1), stride_vt=v.stride(0), stride_vh=v.stride(1),
+        slot_ptr=slot_mapping, num_kv_heads=kvh, head_dim=d,
+        # the paged cache and its scales
+        k_cache_ptr=k_cache, v_cache_ptr=v_cache, block_size=k_cache.shape[1],
+        stride_cb=k_cache.stride(0), stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
+        k_scale_ptr=scale_k, v_scale_ptr=scale_v, stride_sb=stride_sb, stride_ss=stride_ss,
+        # modes and tile shapes
         QUANT=quant, SCALE_PER_TOKEN=per_token, IS_INT8=k_cache.dtype == torch.int8,
         QMAX_=QMAX.get(k_cache.dtype, 1.0), MIN_SCALE_=MIN_SCALE,
         BLOCK_H=triton.next_power_of_2(kvh), BLOCK_D=triton.next_power_of_2(d),

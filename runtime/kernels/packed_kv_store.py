@@ -195,12 +195,19 @@ def store_packed_kv(k: torch.Tensor, v: torch.Tensor, cache: PackedLayerCache, s
     def quantize(plan: WritePlan) -> None:
         ks, vs = cache.k_scale, cache.v_scale
         quantize_blocks_kernel[(plan.full.numel(), kvh)](
-            k, v, res, cache.v_residual, cache.slot_of, plan.full, plan.src.contiguous(),
-            codes, cache.v_codes, ks, cache.k_min, vs, cache.v_min,
-            bs, codes.shape[-1],
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            res.stride(0), res.stride(1), res.stride(2), codes.stride(0), codes.stride(1), codes.stride(2),
-            ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
+            # the write's new rows
+            k_ptr=k, v_ptr=v, stride_kt=k.stride(0), stride_kh=k.stride(1), stride_vt=v.stride(0),
+            stride_vh=v.stride(1),
+            # the blocks it fills, where each of their rows comes from, and the rows held open so far
+            blocks_ptr=plan.full, src_ptr=plan.src.contiguous(), block_size=bs,
+            k_residual_ptr=res, v_residual_ptr=cache.v_residual, slot_of_ptr=cache.slot_of,
+            stride_rb=res.stride(0), stride_rs=res.stride(1), stride_rh=res.stride(2),
+            # the packed codes and their parameters
+            k_codes_ptr=codes, v_codes_ptr=cache.v_codes, bytes_per_row=codes.shape[-1],
+            stride_cb=codes.stride(0), stride_cs=codes.stride(1), stride_ch=codes.stride(2),
+            k_scale_ptr=ks, k_min_ptr=cache.k_min, stride_kpb=ks.stride(0), stride_kph=ks.stride(1),
+            v_scale_ptr=vs, v_min_ptr=cache.v_min, stride_vpb=vs.stride(0), stride_vps=vs.stride(1),
+            # bits and tile shapes
             BITS=cache.bits, BLOCK_S=triton.next_power_of_2(bs), BLOCK_P=triton.next_power_of_2(codes.shape[-1]),
             MIN_SCALE_=MIN_SCALE, num_warps=quantize_num_warps(bs, d),
         )

@@ -279,20 +279,34 @@ def packed_paged_attention(
     target = plan.target
     block_n, in_block = key_tile(res.shape[1], D)
     inv_freq = key_rope.inv_freq_on(q.device) if key_rope is not None else cache.slot_of
+    stride_lt, stride_lsplit = plan.lse_strides
     packed_paged_attention_kernel[plan.grid](
-        q, k_new, v_new, codes, cache.v_codes, ks, cache.k_min, vs, cache.v_min, res, cache.v_residual, cache.slot_of,
-        block_tables, context_lens, query_start_loc, target, plan.lse, inv_freq,
-        float(scale), float(softcap or 1.0), int(window or 0), int(sinks), res.shape[1],
-        float(key_rope.scaling) if key_rope is not None else 1.0,
-        q.stride(0), q.stride(1), codes.stride(0), codes.stride(1), codes.stride(2),
-        ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
-        res.stride(0), res.stride(1), res.stride(2), block_tables.stride(0),
-        k_new.stride(0) if fresh else 0, k_new.stride(1) if fresh else 0,
-        target.stride(1), target.stride(2), target.stride(0), *plan.lse_strides,
+        # the query, where each sequence's rows start, and the step's own new rows (read exact)
+        q_ptr=q, stride_qt=q.stride(0), stride_qh=q.stride(1), query_start_ptr=query_start_loc,
+        k_new_ptr=k_new, v_new_ptr=v_new, stride_nt=k_new.stride(0) if fresh else 0,
+        stride_nh=k_new.stride(1) if fresh else 0,
+        # the packed cache: codes, their parameters, the open blocks' residual rows and slots
+        k_codes_ptr=codes, v_codes_ptr=cache.v_codes, block_size=res.shape[1],
+        stride_cb=codes.stride(0), stride_cs=codes.stride(1), stride_ch=codes.stride(2),
+        k_scale_ptr=ks, k_min_ptr=cache.k_min, stride_kpb=ks.stride(0), stride_kph=ks.stride(1),
+        v_scale_ptr=vs, v_min_ptr=cache.v_min, stride_vpb=vs.stride(0), stride_vps=vs.stride(1),
+        k_residual_ptr=res, v_residual_ptr=cache.v_residual, slot_of_ptr=cache.slot_of,
+        stride_rb=res.stride(0), stride_rs=res.stride(1), stride_rh=res.stride(2),
+        # each sequence's blocks and context
+        block_tables_ptr=block_tables, stride_bt=block_tables.stride(0), context_lens_ptr=context_lens,
+        # the attention's parameters, and the rotation of keys stored before RoPE
+        sm_scale=float(scale), softcap=float(softcap or 1.0), window=int(window or 0), sinks=int(sinks),
+        inv_freq_ptr=inv_freq, rope_scaling=float(key_rope.scaling) if key_rope is not None else 1.0,
+        # the output (per split, with each split's log-sum-exp)
+        out_ptr=target, stride_ot=target.stride(1), stride_oh=target.stride(2), stride_osplit=target.stride(0),
+        lse_ptr=plan.lse, stride_lt=stride_lt, stride_lsplit=stride_lsplit,
+        # tile shapes
         BITS=cache.bits, QPK=H // kvh, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
         BLOCK_M=plan.block_m, BLOCK_Q=plan.block_q, BLOCK_N=block_n, NUM_SPLITS=plan.splits,
+        # modes
         TILE_IN_BLOCK=in_block, USE_WINDOW=window is not None, USE_SOFTCAP=softcap is not None,
-        FRESH=fresh, USE_SINKS=window is not None and sinks > 0, ROPE=key_rope is not None, num_warps=attention_num_warps(plan.block_m, D),
+        FRESH=fresh, USE_SINKS=window is not None and sinks > 0, ROPE=key_rope is not None,
+        num_warps=attention_num_warps(plan.block_m, D),
     )
     return plan.result()
 

@@ -320,16 +320,28 @@ def paged_attention(
     vs = v_scale if quant else k_cache
     stride_sb, stride_ss = (ks.stride(0), ks.stride(1)) if per_token else (0, 0)
     target = plan.target
+    stride_lt, stride_lsplit = plan.lse_strides
     paged_attention_kernel[plan.grid](
-        q, k_cache, v_cache, ks, vs, block_tables, context_lens, query_start_loc, target, plan.lse,
-        float(scale), float(softcap or 1.0), int(window or 0), int(sinks), k_cache.shape[1],
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        stride_sb, stride_ss, block_tables.stride(0),
-        target.stride(1), target.stride(2), target.stride(0), *plan.lse_strides,
+        # the query and where each sequence's rows start
+        q_ptr=q, stride_qt=q.stride(0), stride_qh=q.stride(1), query_start_ptr=query_start_loc,
+        # the paged cache and its scales
+        k_cache_ptr=k_cache, v_cache_ptr=v_cache, block_size=k_cache.shape[1],
+        stride_cb=k_cache.stride(0), stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
+        k_scale_ptr=ks, v_scale_ptr=vs, stride_sb=stride_sb, stride_ss=stride_ss,
+        # each sequence's blocks and context
+        block_tables_ptr=block_tables, stride_bt=block_tables.stride(0), context_lens_ptr=context_lens,
+        # the attention's parameters
+        sm_scale=float(scale), softcap=float(softcap or 1.0), window=int(window or 0), sinks=int(sinks),
+        # the output (per split, with each split's log-sum-exp)
+        out_ptr=target, stride_ot=target.stride(1), stride_oh=target.stride(2), stride_osplit=target.stride(0),
+        lse_ptr=plan.lse, stride_lt=stride_lt, stride_lsplit=stride_lsplit,
+        # tile shapes
         QPK=H // kvh, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
         BLOCK_M=plan.block_m, BLOCK_Q=plan.block_q, BLOCK_N=32 if D <= 128 else 16, NUM_SPLITS=plan.splits,
+        # modes
         KV_QUANT=quant, SCALE_PER_TOKEN=per_token, USE_WINDOW=window is not None, USE_SOFTCAP=softcap is not None,
-        USE_SINKS=window is not None and sinks > 0, num_warps=attention_num_warps(plan.block_m, D),
+        USE_SINKS=window is not None and sinks > 0,
+        num_warps=attention_num_warps(plan.block_m, D),
     )
     return plan.result()
 
