@@ -159,7 +159,7 @@ def _plan(args: argparse.Namespace, source) -> int:
     plan = plan_kv(source, args.kv_budget, args.max_ppl_increase, args.ctx or DEFAULT_PLAN_CTX, args.calib,
                    dtypes=tuple(dict.fromkeys(args.kv_dtypes)) if args.kv_dtypes else PLAN_DTYPES,
                    progress=lambda line: print(f"  {line}", flush=True), min_retrieval=None if bound >= 1 else bound,
-                   retrieval_samples=args.retrieval_samples or RETRIEVAL_SAMPLES)
+                   retrieval_samples=RETRIEVAL_SAMPLES if args.retrieval_samples is None else args.retrieval_samples)
     out = write_planned_checkpoint(source, plan, args.out, force=args.force)
     c = plan.chosen
     print(f"plan: {c.choice.describe(plan.num_layers)}")

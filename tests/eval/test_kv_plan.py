@@ -199,6 +199,15 @@ def test_plan_flags_without_a_plan_are_one_line(tiny_with_tokenizer, tmp_path, c
     assert flag[0] in err and "applies to a KV plan" in err and err.count("\n") == 1
 
 
+def test_the_cli_refuses_zero_retrieval_samples_in_one_line(tiny_with_tokenizer, tmp_path, capsys):
+    from cli.main import main
+
+    assert main(["convert", str(tiny_with_tokenizer), "--kv-budget", "0.4", "--ctx", str(CTX),
+                 "--retrieval-samples", "0", "-o", str(tmp_path / "p")]) == 2
+    err = capsys.readouterr().err
+    assert "--retrieval-samples must be a positive integer, got 0" in err and err.count("\n") == 1
+
+
 def test_the_cli_plans_among_the_given_dtypes(tiny_with_tokenizer, tmp_path, capsys):
     from cli.main import main
 
