@@ -12,7 +12,8 @@ from foundation.architecture import model_type_of
 from foundation.attention_layout import AttentionLayout
 from foundation.bnb_scheme import BnbScheme, bnb_tensor_rules
 from foundation.checkpoint import Checkpoint
-from foundation.kv_plan_file import read_plan
+from foundation.kv_dtype_mix import KvDtypeMix
+from foundation.kv_plan_file import PLAN_KV_DTYPES, read_plan
 from foundation.quant_spec import QuantSpec
 from foundation.schemes import QuantScheme
 from foundation.tensor_shapes import (
@@ -185,14 +186,16 @@ def format_inspection(ins: Inspection, per_layer: bool = False) -> str:
         lines.append(f"KV cache per token at context {ctx}: bf16 {bf16 / 1024:,.2f} KiB, fp8 {fp8 / 1024:,.2f} KiB "
                      f"(+ fp32 per-token-head scales: {fp8s / 1024:,.2f} KiB)")
     groups = lay.cache_groups()
+    plan = ins.kv_plan
+    mix = KvDtypeMix.parse(plan["kv_cache_dtype"], PLAN_KV_DTYPES) if plan is not None else None
     if len(groups) > 1:
         ctx = contexts[0]
         lines.append(f"KV cache groups (bf16, per token at context {ctx}):")
         for (kind, window, sinks, kvh), entries in groups.items():
             span = "full" if window is None else f"window {window}" + (f" + {sinks} sinks" if sinks else "")
+            served = f"; the plan serves it in {mix.of(kind)}" if mix is not None and len(mix.dtypes) > 1 else ""
             lines.append(f"  {span}, {kvh} KV head{'s' if kvh > 1 else ''} x {len(entries)} entries: "
-                         f"{lay.kv_bytes_per_token(ctx, 2, entries=entries):,.0f} B/token")
-    plan = ins.kv_plan
+                         f"{lay.kv_bytes_per_token(ctx, 2, entries=entries):,.0f} B/token{served}")
     if plan is not None:
         dev = ""
         if plan.get("dev_ppl") and plan.get("original_dev_ppl"):

@@ -1,9 +1,10 @@
 """`compress convert MODEL --kv-budget R` (or `--max-ppl-increase P`): the KV layout and dtype
 chosen by measurement, written with the checkpoint as ``plan.json``.
 
-The choices, at context N (default 2,048): the KV dtype (bf16, int8, int4, int2: one per cache,
-as the runtime holds it), whether attention slides (a window W of 1,024, 512 or 256 below N, with
-4 attention sinks), and which layers, or which KV heads (streaming heads), stay full. Layers are
+The choices, at context N (default 2,048): the KV dtype (bf16, int8, int4, int2, or when asked a
+mix such as int4/int2: full-attention KV in one, sliding layers' and streaming heads' in the
+other), whether attention slides (a window W of 1,024, 512 or 256 below N, with 4 attention
+sinks), and which layers, or which KV heads (streaming heads), stay full. Layers are
 ranked by the global-layer calibration ``compress convert --global-select calib`` uses (each
 layer's attention mass beyond W on calibration windows of N tokens, sink keys counted as lost) and
 KV heads by the same mass per head (``attention_variants.streaming_heads``, the score
@@ -45,11 +46,12 @@ from foundation.attention_layout import FULL, SINKS_KEY, SLIDING, STREAMING_KEY,
 from foundation.calibration import CalibrationSpec, load_tokenizer, token_windows
 from foundation.checkpoint import Checkpoint
 from foundation.errors import KvslimError
-from foundation.kv_plan_file import PLAN_FILE
+from foundation.kv_dtype_mix import SEPARATOR
+from foundation.kv_plan_file import PLAN_FILE, PLANNER_KV_DTYPES
 from foundation.texts import DEFAULT_CALIB
 
 DEFAULT_PLAN_CTX = 2048
-PLAN_DTYPES = ("bf16", "int8", "int4", "int2")
+PLAN_DTYPES = PLANNER_KV_DTYPES  # and mixes such as int4/int2 (foundation.kv_dtype_mix) when asked
 PLAN_WINDOWS = (1024, 512, 256)
 PLAN_SINKS = DEFAULT_SINKS  # convert's default with a window (StreamingLLM's 4)
 CALIB_SEQS = 2  # calibration windows of N tokens for the layer ranking
@@ -262,7 +264,8 @@ def candidates(config: dict, ctx: int, budget_bytes: float | None, ranking: dict
     out = []
     for dtype in dtypes:
         cost = {w: layer_bytes(config, dtype, w, ctx) for w in (None, *ranking)}  # (full, sliding) per layer
-        options = [KvChoice(dtype)]
+        # a mix differs from its full part's dtype only where attention is windowed
+        options = [] if SEPARATOR in dtype else [KvChoice(dtype)]
         layer_counts = {}
         for w, ranked in ranking.items():
             f, s = cost[w]

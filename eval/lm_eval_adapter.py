@@ -69,9 +69,11 @@ class KvslimLM(TemplateLM):
         from foundation.model_source import resolve_model
         from runtime.engine.engine import Engine, EngineConfig
 
-        kv = str(kv_cache_dtype).lower()
-        if kv not in KV_CACHE_DTYPES:
-            raise KvslimError(f"kv_cache_dtype={kv_cache_dtype!r}; known: {', '.join(KV_CACHE_DTYPES)}")
+        parts = str(kv_cache_dtype).lower().split("/")  # one name, or FULL/WINDOWED
+        if len(parts) > 2 or any(p not in KV_CACHE_DTYPES or (p == "auto" and len(parts) > 1) for p in parts):
+            raise KvslimError(f"kv_cache_dtype={kv_cache_dtype!r}; known: {', '.join(KV_CACHE_DTYPES)}, "
+                              "or FULL/WINDOWED (e.g. int8/int2)")
+        kv_dtype = None if parts == ["auto"] else "/".join(KV_CACHE_DTYPES[p] for p in parts)
         path = resolve_model(str(pretrained))
         positions = int(json.loads((path / "config.json").read_text()).get("max_position_embeddings", 2048))
         max_len = int(max_length) if max_length is not None else min(max(min(positions, 4096), int(min_length)),
@@ -85,7 +87,7 @@ class KvslimLM(TemplateLM):
                 raise KvslimError(f"device={device}: the kvslim engine runs on one GPU, cuda:0")
             device = "cuda"
         self.engine = Engine.from_checkpoint(path, EngineConfig(
-            dtype=str(dtype), kv_dtype=KV_CACHE_DTYPES[kv],
+            dtype=str(dtype), kv_dtype=kv_dtype,
             kv_cache_bytes=None if kv_cache_mib is None else int(kv_cache_mib) * MIB,
             max_num_seqs=num_seqs, max_model_len=max_len + 2, device=device, kernels=str(kernels),
         ))

@@ -147,11 +147,11 @@ def measure(name: str, ckpt: Path, s: ReportSettings, use_cache: bool = True,
     cache in ``kv_cache_dtype`` (a ``--kv-cache-dtype`` name; auto: the one it is served with)."""
     from eval.cached_evaluation import evaluate_cached
     from eval.lm_eval_runner import EvalPlan
-    from runtime.cache.kv_dtype_choices import KV_CACHE_DTYPES
+    from runtime.cache.kv_dtype_choices import cache_kv_dtype
     from runtime.cache.kv_report import has_static_kv_scales, report_variant
 
     config = json.loads((ckpt / "config.json").read_text())
-    chosen = KV_CACHE_DTYPES[kv_cache_dtype]
+    chosen = cache_kv_dtype(kv_cache_dtype)
     served = served_kv_dtype(config, ckpt)
     kv_dtype = chosen or served
     static = has_static_kv_scales(ckpt) and kv_dtype == served

@@ -1,6 +1,7 @@
 """``plan.json``: the KV plan a checkpoint carries (written by ``compress convert --kv-budget``).
 
-The planner (``eval.kv_plan``) writes it; the runtime reads its KV dtype as the default for
+The planner (``eval.kv_plan``) writes it; the runtime reads its KV dtype (one name, or a mix such as
+``int8/int2``: ``foundation.kv_dtype_mix``) as the default for
 ``--kv-cache-dtype auto``, and ``compress inspect`` prints its bytes. One reader, here.
 """
 from __future__ import annotations
@@ -8,10 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from foundation.errors import CheckpointError
+from foundation.errors import CheckpointError, KvslimError
+from foundation.kv_dtype_mix import SEPARATOR, KvDtypeMix
 
 PLAN_FILE = "plan.json"
-PLAN_KV_DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3", "int8", "int4", "int2")
+PLAN_KV_DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3", "int8", "int4", "int2")  # what plan.json may carry
+PLANNER_KV_DTYPES = ("bf16", "int8", "int4", "int2")  # what the planner chooses from by default
 
 
 def read_plan(checkpoint_dir: str | Path) -> dict | None:
@@ -23,8 +26,12 @@ def read_plan(checkpoint_dir: str | Path) -> dict | None:
         plan = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: unreadable KV plan ({e})") from None
-    if not isinstance(plan, dict) or plan.get("kv_cache_dtype") not in PLAN_KV_DTYPES:
-        raise CheckpointError(f"{path}: a KV plan needs kv_cache_dtype, one of {', '.join(PLAN_KV_DTYPES)}")
+    dtype = plan.get("kv_cache_dtype") if isinstance(plan, dict) else None
+    try:
+        KvDtypeMix.parse(dtype, PLAN_KV_DTYPES)
+    except KvslimError:
+        raise CheckpointError(f"{path}: a KV plan needs kv_cache_dtype, one of {', '.join(PLAN_KV_DTYPES)} "
+                              f"or FULL{SEPARATOR}WINDOWED (e.g. int8{SEPARATOR}int2), found {dtype!r}") from None
     return plan
 
 

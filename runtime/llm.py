@@ -132,10 +132,8 @@ class LLM:
 
     def kv_bytes_per_token(self, context_len: int | None = None) -> float:
         """KV bytes per token at ``context_len`` (default: max_model_len) in this runtime's cache
-        dtype, scales included, by ``AttentionLayout.kv_bytes_per_token``."""
-        spec = self.kv_spec
-        return self.spec.attention.kv_bytes_per_token(context_len or self.max_model_len, spec.element_bytes(0),
-                                                      spec.scale_bytes(spec.groups[0]))
+        dtype(s), scales included, by ``KVCacheSpec.kv_bytes_per_token``."""
+        return self.kv_spec.kv_bytes_per_token(self.spec.attention, context_len or self.max_model_len)
 
     # --- inputs ------------------------------------------------------------------------------
     def _tokenize(self, prompt: PromptInput, i: int) -> tuple[str | None, list[int]]:

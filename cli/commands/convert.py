@@ -25,6 +25,18 @@ def _fraction_or_auto(text: str) -> float | str:
         raise argparse.ArgumentTypeError(f"expected a fraction of the KV heads in [0, 1] or auto, got {text!r}") from None
 
 
+def plan_kv_dtype_arg(text: str) -> str:
+    """A KV dtype the planner may choose: one name, or FULL/WINDOWED (``foundation.kv_dtype_mix``)."""
+    from foundation.errors import KvslimError
+    from foundation.kv_dtype_mix import KvDtypeMix
+    from foundation.kv_plan_file import PLANNER_KV_DTYPES
+
+    try:
+        return KvDtypeMix.parse(text, PLANNER_KV_DTYPES).name
+    except KvslimError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="checkpoint dir, .gguf file, or smollm2 / gemma3-270m")
     p.add_argument("-o", "--out", required=True, help="output checkpoint directory")
@@ -63,9 +75,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                            "(e.g. 0.16), the lowest dev perplexity served (writes plan.json)")
     plan.add_argument("--max-ppl-increase", type=float, metavar="P",
                       help="plan the fewest KV bytes whose dev perplexity stays within P of the original's (0.1 = +10%%)")
-    p.add_argument("--kv-dtypes", nargs="+", default=None, metavar="D", choices=("bf16", "int8", "int4", "int2"),
-                   help="with --kv-budget / --max-ppl-increase: the KV dtypes the plan may choose "
-                        "(default: bf16 int8 int4 int2)")
+    p.add_argument("--kv-dtypes", nargs="+", default=None, metavar="D", type=plan_kv_dtype_arg,
+                   help="with --kv-budget / --max-ppl-increase: the KV dtypes the plan may choose, each bf16, int8, "
+                        "int4, int2 or FULL/WINDOWED such as int4/int2 (full-attention KV in the first, sliding "
+                        "layers' and streaming heads' in the second) (default: bf16 int8 int4 int2)")
     p.add_argument("--min-retrieval", type=float, default=None, metavar="P",
                    help="with --kv-budget / --max-ppl-increase: keep retrieval of a fact stated once (calibration "
                         "passkey and needle prompts at --ctx, served) within P of the original's accuracy at every "

@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from foundation.errors import KvslimError
-from runtime.cache.kv_dtype_choices import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES
+from runtime.cache.kv_dtype_choices import KV_CACHE_DTYPE_HELP, kv_cache_dtype_arg
 from runtime.device_choices import DEVICE_HELP, DEVICES, KERNELS, KERNELS_HELP
 from runtime.model.layers.dtype_choices import DTYPE_CHOICES, DTYPE_HELP
 
@@ -42,7 +42,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size (default 8)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help=f"--backend kvslim {DTYPE_HELP} (the hf backend runs float32)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+    p.add_argument("--kv-cache-dtype", default="auto", type=kv_cache_dtype_arg,
                    help=f"--backend kvslim {KV_CACHE_DTYPE_HELP}")
     p.add_argument("--device", default="auto", choices=DEVICES, help=f"--backend kvslim: {DEVICE_HELP}")
     p.add_argument("--kernels", default="auto", choices=KERNELS, help=f"--backend kvslim: {KERNELS_HELP}")

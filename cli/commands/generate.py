@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from runtime.cache.kv_dtype_choices import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES
+from runtime.cache.kv_dtype_choices import KV_CACHE_DTYPE_HELP, cache_kv_dtype, kv_cache_dtype_arg
 from runtime.device_choices import DEVICE_HELP, DEVICES, KERNELS, KERNELS_HELP
 from runtime.model.layers.dtype_choices import DTYPE_CHOICES, DTYPE_HELP
 
@@ -19,7 +19,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
-    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES), help=KV_CACHE_DTYPE_HELP)
+    p.add_argument("--kv-cache-dtype", default="auto", type=kv_cache_dtype_arg, help=KV_CACHE_DTYPE_HELP)
     p.add_argument("--device", default="auto", choices=DEVICES, help=DEVICE_HELP)
     p.add_argument("--kernels", default="auto", choices=KERNELS, help=KERNELS_HELP)
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     )
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
     llm = LLM(checkpoint, dtype=args.dtype, max_model_len=args.max_model_len,
-              kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype], device=args.device, kernels=args.kernels)
+              kv_cache_dtype=cache_kv_dtype(args.kv_cache_dtype), device=args.device, kernels=args.kernels)
     if args.chat:
         if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
             raise KvslimError(f"{llm.path}: no chat template in the tokenizer; drop --chat")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from foundation.errors import KvslimError
-from runtime.cache.kv_dtype_choices import KV_CACHE_DTYPES
+from runtime.cache.kv_dtype_choices import KV_CACHE_DTYPES, is_kv_cache_dtype, kv_cache_dtype_arg
 
 DEFAULT_TASKS = ("arc_easy", "hellaswag", "piqa", "ppl_wikipedia", "passkey")
 
@@ -31,9 +31,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-budget-gib", type=float, default=1.0, help="KV cache budget for the capacity column (default 1)")
     p.add_argument("--decode-batch", type=int, default=8, help="concurrent requests of the decode benchmark (default 8)")
     p.add_argument("--decode-tokens", type=int, default=32, help="new tokens per decode request (default 32)")
-    p.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], choices=list(KV_CACHE_DTYPES), metavar="D",
+    p.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], type=kv_cache_dtype_arg, metavar="D",
                    help="measure each checkpoint with each of these KV cache dtypes, one row each (default: "
-                        f"auto; {', '.join(KV_CACHE_DTYPES)})")
+                        f"auto; {', '.join(KV_CACHE_DTYPES)}, or FULL/WINDOWED such as int8/int2)")
     p.add_argument("--ctx", type=int, default=2048,
                    help="the context every figure is at: KV bytes per token and capacity at this many tokens, "
                         "perplexity over windows of this many (stride half of it) (default 2048)")
@@ -99,4 +99,4 @@ def _entry(text: str) -> tuple[str, str | None]:
     """``CKPT`` or ``CKPT@KV`` (KV a ``--kv-cache-dtype`` name; any other ``@`` is part of the path)
     -> (checkpoint, its own KV dtype or None)."""
     ckpt, at, kv = text.rpartition("@")
-    return (ckpt, kv) if at and kv in KV_CACHE_DTYPES else (text, None)
+    return (ckpt, kv) if at and is_kv_cache_dtype(kv) else (text, None)

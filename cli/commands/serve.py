@@ -19,7 +19,7 @@ from pathlib import Path
 
 from foundation.errors import KvslimError
 from foundation.model_source import DEFAULT_MODEL
-from runtime.cache.kv_dtype_choices import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES
+from runtime.cache.kv_dtype_choices import KV_CACHE_DTYPE_HELP, cache_kv_dtype, kv_cache_dtype_arg
 from runtime.device_choices import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEVICE_HELP,
@@ -47,7 +47,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (or set ${API_KEY_ENV})")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
-    p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto", help=KV_CACHE_DTYPE_HELP)
+    p.add_argument("--kv-cache-dtype", type=kv_cache_dtype_arg, default="auto", help=KV_CACHE_DTYPE_HELP)
     p.add_argument("--device", default="auto", choices=DEVICES, help=DEVICE_HELP)
     p.add_argument("--kernels", default="auto", choices=KERNELS, help=KERNELS_HELP)
     p.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -189,9 +189,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, ckpt, source: str) -> 
     original_source = args.original or (DEFAULT_MODEL if args.checkpoint is None else None)
     original = layout if original_source is None else AttentionLayout.from_config(
         Checkpoint.open(resolve_model(original_source)).config)
-    group = engine.kv_spec.groups[0]
-    footprint = KVFootprint.of(layout, engine.kv_spec.element_bytes(0), engine.kv_spec.scale_bytes(group), original,
-                               engine.max_model_len, group.kv_dtype)
+    footprint = KVFootprint.of(engine.kv_spec, layout, original, engine.max_model_len, engine.kv_dtype)
 
     # A known name (smollm2) is the model id; a directory or file is known by its name.
     model_name = args.served_model_name or (path.name if Path(source).exists() else source)
@@ -203,7 +201,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, ckpt, source: str) -> 
                          f"{'' if api_key else ' WITHOUT an API key'}\n")
     url_host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address
     sys.stderr.write(
-        f"compress serve: {model_name} ({path}) on http://{url_host}:{args.port}  kv={group.kv_dtype} "
+        f"compress serve: {model_name} ({path}) on http://{url_host}:{args.port}  kv={engine.kv_dtype} "
         f"{footprint.bytes_per_token:.0f} B/token (original in bf16: {footprint.original_bytes_per_token:.0f}), "
         f"max_model_len={engine.max_model_len}, max_num_seqs={args.max_num_seqs}, queue={max_queue}, "
         f"request body <= {args.max_request_bytes} B read within {args.request_read_timeout:g} s, "
@@ -228,7 +226,7 @@ def _engine(args: argparse.Namespace, ckpt):
 
     return Engine.from_checkpoint(ckpt, EngineConfig(
         dtype=args.dtype,
-        kv_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype],
+        kv_dtype=cache_kv_dtype(args.kv_cache_dtype),
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         kv_cache_bytes=None if args.kv_cache_mib is None else args.kv_cache_mib << 20,

@@ -26,6 +26,7 @@ import torch
 
 from foundation.attention_layout import AttentionLayout
 from foundation.errors import KvslimError
+from foundation.kv_dtype_mix import KvDtypeMix
 from runtime.cache.kv_quant import QUANT_DTYPES
 from runtime.cache.low_bit_kv import (
     LOW_BIT_KV,
@@ -101,15 +102,16 @@ class KVCacheSpec:
     def from_layout(
         cls, layout: AttentionLayout, kv_dtype: str, block_size: int = 16, static_scales: bool = False
     ) -> "KVCacheSpec":
-        if kv_dtype not in CACHE_DTYPES:
-            raise KvslimError(f"unknown KV dtype {kv_dtype!r}; choose one of {', '.join(CACHE_DTYPES)}")
-        if kv_dtype in LOW_BIT_KV and (layout.head_dim * LOW_BIT_KV[kv_dtype]) % 8:
-            raise KvslimError(f"{kv_dtype} KV packs head_dim into bytes; head_dim {layout.head_dim} does not fit")
+        """``kv_dtype``: one cache dtype name, or ``FULL/WINDOWED`` (``foundation.kv_dtype_mix``)."""
+        mix = KvDtypeMix.parse(kv_dtype, CACHE_DTYPES)
+        for name in mix.dtypes:
+            if name in LOW_BIT_KV and (layout.head_dim * LOW_BIT_KV[name]) % 8:
+                raise KvslimError(f"{name} KV packs head_dim into bytes; head_dim {layout.head_dim} does not fit")
         if block_size < 1:
             raise KvslimError(f"block size must be positive, got {block_size}")
-        if static_scales and kv_dtype not in QUANT_DTYPES:
-            raise KvslimError(f"static KV scales need a quantized KV dtype, not {kv_dtype}")
-        groups = tuple(CacheGroup(kind, window, kvh, layout.head_dim, kv_dtype, layers=tuple(members), sinks=sinks)
+        if static_scales and (len(mix.dtypes) > 1 or mix.full not in QUANT_DTYPES):
+            raise KvslimError(f"static KV scales need one quantized KV dtype, not {kv_dtype}")
+        groups = tuple(CacheGroup(kind, window, kvh, layout.head_dim, mix.of(kind), layers=tuple(members), sinks=sinks)
                        for (kind, window, sinks, kvh), members in layout.cache_groups().items())
         owner_slot = {layer: (g, s) for g, grp in enumerate(groups) for s, layer in enumerate(grp.layers)}
         slots = tuple(owner_slot[l.kv_source] for l in layout.entries)
@@ -138,6 +140,12 @@ class KVCacheSpec:
         if grp.bits:
             return bytes_per_token_head(grp.head_dim, grp.bits, self.block_size) / (2 * grp.head_dim)
         return torch.empty((), dtype=KV_DTYPES[grp.kv_dtype]).element_size()
+
+    def kv_bytes_per_token(self, layout: AttentionLayout, context_len: int) -> float:
+        """Average KV bytes per token of a ``context_len``-token sequence, by the layout's formula
+        per group (each group in its own dtype, scales included)."""
+        return sum(layout.kv_bytes_per_token(context_len, self.element_bytes(g), self.scale_bytes(grp), list(grp.layers))
+                   for g, grp in enumerate(self.groups))
 
     def block_bytes(self, g: int) -> int:
         """Bytes one block of group ``g`` occupies over all its layers (K and V, with scales)."""

@@ -1,4 +1,9 @@
 """The KV-cache dtypes a user names on the command line (torch-free: argparse reads it)."""
+from __future__ import annotations
+
+import argparse
+
+from foundation.kv_dtype_mix import SEPARATOR
 
 # command-line name -> the cache's KV dtype name (None: the checkpoint's kv_cache_scheme, else its
 # plan.json's, else the activation dtype)
@@ -9,4 +14,32 @@ KV_CACHE_DTYPES: dict[str, str | None] = {
 KV_CACHE_DTYPE_HELP = ("KV cache dtype: auto (the checkpoint's kv_cache_scheme, else its KV plan's, else the "
                        "activation dtype), fp32/bf16/fp16, fp8 or int8 (per token and head), int4 or int2 (keys "
                        "per channel over 64-token blocks, int2 keys before RoPE, values per token; the block being "
-                       "filled stays exact)")
+                       f"filled stays exact); FULL{SEPARATOR}WINDOWED, e.g. int8{SEPARATOR}int2, stores full-attention "
+                       "KV in the first and sliding layers' and streaming heads' KV in the second")
+
+
+def is_kv_cache_dtype(name: str) -> bool:
+    """``auto``, one name of ``KV_CACHE_DTYPES`` or ``FULL/WINDOWED`` of two."""
+    if name == "auto":
+        return True
+    parts = name.split(SEPARATOR)
+    return len(parts) <= 2 and all(p in KV_CACHE_DTYPES and p != "auto" for p in parts)
+
+
+def cache_kv_dtype(name: str) -> str | None:
+    """A command-line name -> the cache's (``fp8/int2`` -> ``fp8_e4m3/int2``); None for auto."""
+    if not is_kv_cache_dtype(name):
+        raise ValueError(f"unknown KV cache dtype {name!r}; choose one of {', '.join(KV_CACHE_DTYPES)}, "
+                         f"or FULL{SEPARATOR}WINDOWED (e.g. int8{SEPARATOR}int2)")
+    if name == "auto":
+        return None
+    return SEPARATOR.join(KV_CACHE_DTYPES[p] for p in name.split(SEPARATOR))
+
+
+def kv_cache_dtype_arg(name: str) -> str:
+    """argparse ``type=``: the name as given, refused in one line when unknown."""
+    try:
+        cache_kv_dtype(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return name

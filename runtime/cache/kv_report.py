@@ -99,6 +99,7 @@ def variant_configs(base: dict, window: int = 512, full_every: int = 6, short_wi
         f"{sinks_name} + INT4": ({**base, **with_sinks}, "int4"),
         streaming_name: ({**base, **streaming}, "bf16"),
         f"{streaming_name} + INT4": ({**base, **streaming}, "int4"),
+        f"{streaming_name} + INT8 full / INT2 windowed": ({**base, **streaming}, "int8/int2"),
         "combined (MQA + share 2 + hybrid + INT4)": ({**base, **combined}, "int4"),
     }
 
@@ -165,7 +166,7 @@ def report_variant(name: str, config: dict, kv_dtype: str, budget_bytes: int, se
         nbytes = cache.group_nbytes(g) - residual * spec.residual_block_bytes(g, torch.bfloat16)
         slot_bytes = nbytes / (num_blocks[g] * block_size) if num_blocks[g] else 0.0
         formula = layout.kv_bytes_per_token(seq_len, spec.element_bytes(g), spec.scale_bytes(grp), list(grp.layers))
-        groups.append(GroupReport(grp.kind, grp.window, len(grp.layers), grp.num_kv_heads, kv_dtype,
+        groups.append(GroupReport(grp.kind, grp.window, len(grp.layers), grp.num_kv_heads, grp.kv_dtype,
                                   num_blocks[g], nbytes, formula, slot_bytes * per_seq[g] * block_size / seq_len,
                                   grp.sinks))
     del cache
@@ -187,9 +188,9 @@ def report_variant(name: str, config: dict, kv_dtype: str, budget_bytes: int, se
 def _scales(spec: KVCacheSpec, static: bool) -> str:
     if static:
         return "per layer"
-    if any(g.bits for g in spec.groups):
-        return "K/channel, V/token"
-    return "per token and head" if spec.groups[0].quantized else "none"
+    kinds = dict.fromkeys("K/channel, V/token" if g.bits else "per token and head" if g.quantized else "none"
+                          for g in spec.groups)
+    return " + ".join(kinds)
 
 
 def format_table(reports: list[VariantReport], budget_bytes: int, seq_len: int) -> str:
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in reports:
         for g in r.groups:
             window = "" if g.window is None else f"/{g.window}" + (f"+{g.sinks} sinks" if g.sinks else "")
-            print(f"  {r.name}: {g.kind}{window} x{g.num_layers} entries, "
+            print(f"  {r.name}: {g.kind}{window} x{g.num_layers} entries in {g.kv_dtype}, "
                   f"{g.num_kv_heads} KV heads: {g.formula_bytes_per_token:.0f} B/tok formula, "
                   f"{g.counted_bytes_per_token:.0f} counted, {g.num_blocks} blocks")
     if args.json:

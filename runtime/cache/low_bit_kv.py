@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from foundation.kv_dtype_mix import SEPARATOR
+
 LOW_BIT_KV: dict[str, int] = {"int4": 4, "int2": 2}  # KV dtype name -> bits
 PARAM_DTYPE = torch.float16
 PARAM_BYTES = 2
@@ -24,9 +26,10 @@ KEYS_BEFORE_ROPE_BITS = frozenset({2})
 
 
 def default_block_size(kv_dtype: str) -> int:
-    """Tokens per block: 64 for int4/int2 KV (a key block's per-channel parameters cost 4 bytes
-    per channel and head, 4 bytes per token at head_dim 64 over 64 tokens; 16 at block 16), else 16."""
-    return 64 if kv_dtype in LOW_BIT_KV else 16
+    """Tokens per block: 64 where any group stores int4/int2 KV (a key block's per-channel
+    parameters cost 4 bytes per channel and head, 4 bytes per token at head_dim 64 over 64 tokens;
+    16 at block 16), else 16. ``kv_dtype`` may name a mix (``int8/int2``)."""
+    return 64 if any(part in LOW_BIT_KV for part in kv_dtype.split(SEPARATOR)) else 16
 
 
 def packed_dim(head_dim: int, bits: int) -> int:

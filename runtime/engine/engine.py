@@ -148,6 +148,7 @@ class Engine:
         # Checkpoint scales are calibrated for the checkpoint's own KV dtype (max/448 for FP8,
         # max/127 for INT8): another quantized dtype chosen at serve time takes per-token scales.
         static = layer_scales is not None and kv_dtype in QUANT_DTYPES and kv_dtype == (kv_dtype_default or kv_dtype)
+        self.kv_dtype = kv_dtype  # a dtype name, or FULL/WINDOWED (foundation.kv_dtype_mix)
         self.block_size = config.block_size or default_block_size(kv_dtype)
         self.kv_spec = KVCacheSpec.from_layout(layout, kv_dtype, self.block_size, static_scales=static)
         self.max_model_len = config.max_model_len or min(spec.max_position_embeddings, 4096)

@@ -8,7 +8,7 @@ KV bytes per token come from the shared formula (``AttentionLayout.kv_bytes_per_
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -16,6 +16,9 @@ from prometheus_client.registry import Collector
 
 from foundation.attention_layout import AttentionLayout
 from runtime.server.engine_client import EngineSnapshot
+
+if TYPE_CHECKING:
+    from runtime.cache.kv_cache import KVCacheSpec
 
 PREFIX = "kvslim"
 ORIGINAL_KV_BYTES = 2  # the original model's KV cache is counted in bf16
@@ -31,7 +34,7 @@ class KVFootprint:
 
     bytes_per_token: float
     original_bytes_per_token: float
-    kv_dtype: str  # what the served cache stores (KVCacheSpec group dtype name)
+    kv_dtype: str  # what the served cache stores: a dtype name, or FULL/WINDOWED (foundation.kv_dtype_mix)
 
     @property
     def saving(self) -> float:
@@ -39,10 +42,10 @@ class KVFootprint:
         return 1.0 - self.bytes_per_token / self.original_bytes_per_token
 
     @classmethod
-    def of(cls, layout: AttentionLayout, dtype_bytes: float, scale_bytes: float,
-           original: AttentionLayout, context_len: int, kv_dtype: str) -> "KVFootprint":
-        """Served ``layout`` at its KV dtype vs ``original`` in bf16, both at ``context_len`` tokens."""
-        return cls(layout.kv_bytes_per_token(context_len, dtype_bytes, scale_bytes),
+    def of(cls, spec: "KVCacheSpec", layout: AttentionLayout, original: AttentionLayout, context_len: int,
+           kv_dtype: str) -> "KVFootprint":
+        """Served ``layout`` in ``spec``'s cache groups vs ``original`` in bf16, both at ``context_len`` tokens."""
+        return cls(spec.kv_bytes_per_token(layout, context_len),
                    original.kv_bytes_per_token(context_len, ORIGINAL_KV_BYTES), kv_dtype)
 
 

@@ -134,3 +134,21 @@ def test_aligned_merge_calibrates_on_text(tiny_with_tokenizer, tmp_path, capsys)
     text = capsys.readouterr().out
     assert "MQA (aligned merge)" in text and "wikipedia:calib" in text
     assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == 1
+
+
+def test_a_plan_with_a_kv_dtype_mix_is_inspected_and_served(tiny_with_tokenizer, tmp_path, capsys):
+    """plan.json naming FULL/WINDOWED: inspect says which group is served in which dtype, and the
+    runtime's auto KV dtype serves the mix."""
+    from runtime.llm import LLM
+
+    out = tmp_path / "streaming"
+    assert main(["convert", str(tiny_with_tokenizer), "--streaming-heads", "0.5", "--sliding-window", "8",
+                 "--eval-tokens", "0", "-o", str(out)]) == 0
+    (out / "plan.json").write_text(json.dumps({"kv_cache_dtype": "int8/int2", "ctx": 64}))
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "the plan serves it in int8" in text and "the plan serves it in int2" in text
+    llm = LLM(out, max_model_len=64)
+    assert llm.kv_cache_dtype == "int8/int2"
+    assert {(g.kind, g.kv_dtype) for g in llm.kv_spec.groups} == {("full", "int8"), ("sliding", "int2")}

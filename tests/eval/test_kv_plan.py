@@ -1,5 +1,6 @@
 """The KV planner on a tiny random Llama with the default model's tokenizer (real calibration text):
 budgets hold by allocation, the plan is written and read back, and bad requests are one line."""
+import argparse
 import json
 
 import pytest
@@ -55,6 +56,34 @@ def test_streaming_head_candidates_fit_and_keep_the_most_ranked_heads_full(tiny_
         assert full == set(heads[:len(full)])
         config_heads = c.choice.config(config)["streaming_heads"]
         assert config_heads["window"] == c.choice.window and config_heads["sinks"] == 4
+
+
+def test_a_kv_dtype_mix_buys_more_full_heads(tiny_llama):
+    """int4/int2 (windowed KV at 2 bits) keeps at least as many heads full as int4 under one budget,
+    counts its bytes per group, and offers no full-attention point of its own (that is int4's)."""
+    config = Checkpoint.open(tiny_llama).config
+    original = original_bytes(config, CTX)
+    heads = [(3, 1), (1, 0), (0, 0), (2, 1), (3, 0), (1, 1), (0, 1), (2, 0)]
+    budget = 0.3 * original
+
+    def most_full(dtype: str) -> int:
+        cands = candidates(config, CTX, budget, {}, original, (dtype,), {w: heads for w in WINDOWS})
+        assert all(c.choice.kv_dtype == dtype and c.kv_bytes_per_token <= budget for c in cands)
+        if "/" in dtype:
+            assert all(c.choice.window is not None for c in cands)
+        return max(8 - sum(map(len, c.choice.streaming)) for c in cands if c.choice.streaming is not None)
+
+    assert most_full("int4/int2") >= most_full("int4")
+    _, windowed = layer_bytes(config, "int4/int2", WINDOWS[0], CTX)
+    assert windowed == layer_bytes(config, "int2", WINDOWS[0], CTX)[1]
+
+
+def test_convert_takes_a_kv_dtype_mix_and_refuses_a_bad_one(capsys):
+    from cli.commands.convert import plan_kv_dtype_arg
+
+    assert plan_kv_dtype_arg("int4/int2") == "int4/int2" and plan_kv_dtype_arg("int4/int4") == "int4"
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown KV dtype 'int4/fp8'"):
+        plan_kv_dtype_arg("int4/fp8")
 
 
 def test_plan_is_served_written_and_read_back(tiny_with_tokenizer, tmp_path):

@@ -62,7 +62,16 @@ def test_bad_kv_cache_dtype_is_one_line_exit_2(tiny_with_tokenizer, capsys):
         main(["generate", str(tiny_with_tokenizer), "hi", "--kv-cache-dtype", "int3"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1
-    assert "argument --kv-cache-dtype: invalid choice: 'int3'" in err
+    assert "argument --kv-cache-dtype: unknown KV cache dtype 'int3'" in err
+
+
+def test_cli_generate_with_a_kv_dtype_mix(tiny_with_tokenizer, capsys):
+    """``FULL/WINDOWED`` on a model without windowed layers: every layer in the first dtype."""
+    rc = main(["generate", str(tiny_with_tokenizer), "Hello there", "--max-tokens", "5", "--stats",
+               "--kv-cache-dtype", "fp8/int2"])
+    out = capsys.readouterr().out
+    # fp8 per token and KV head: 32 B + a 4 B scale, x 2 (K, V) x 2 KV heads x 4 layers = 576 B
+    assert rc == 0 and "kv cache: 0.56 KiB/token" in out and "(fp8_e4m3/int2)" in out
 
 
 @pytest.mark.parametrize("argv,message", [

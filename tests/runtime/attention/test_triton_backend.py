@@ -39,7 +39,9 @@ def make_backends(kv_dtype, static, softcap, use_triton, device, sinks=0):
 
 @pytest.mark.parametrize("kv_dtype,static,softcap,sinks", [
     ("fp32", False, 5.0, 0), ("int8", False, None, 0), ("int8", True, None, 0), ("int4", False, None, 0),
-    ("int2", False, 5.0, 0), ("fp32", False, None, 2), ("int4", False, None, 5), ("int2", False, None, 5)])
+    ("int2", False, 5.0, 0), ("fp32", False, None, 2), ("int4", False, None, 5), ("int2", False, None, 5),
+    # KV dtypes per cache group: full layers in one, sliding layers in another
+    ("int8/int4", False, None, 0), ("fp32/int2", False, None, 5), ("int4/int8", False, 5.0, 2)])
 def test_kernel_backend_matches_the_engine_backend(device, kv_dtype, static, softcap, sinks):
     torch.manual_seed(0)
     rng = random.Random(0)
