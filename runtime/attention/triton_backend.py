@@ -54,10 +54,39 @@ class KernelAttentionBackend:
         # int4/int2: each cache slot's new rows this step, for the layers that read that slot's KV
         self._new_rows_by_slot: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._rotary: StepKeyRotary | None = None
+        self._check_layers()
+
+    def _check_layers(self) -> None:
+        """Every layer's cache as the kernels index it, once: the calls then skip the checks."""
+        from runtime.kernels.kv_store import check_layer_cache
+        from runtime.kernels.packed_kv_store import check_packed_layer
+        from runtime.kernels.packed_paged_attention import check_packed_rope
+
+        for layer_idx, lc in enumerate(self.cache.layers):
+            if isinstance(lc, PackedLayerCache):
+                check_packed_layer(lc)
+                rope = self.params[self.params[layer_idx].kv_source].key_rope
+                check_packed_rope(lc, rope if lc.keys_before_rope else None)
+            else:
+                check_layer_cache(lc.k_cache, lc.v_cache, lc.k_scale, lc.v_scale)
+
+    def _check_batch(self, batch: PagedBatch) -> None:
+        """The step's metadata, once per step (not once per layer)."""
+        from foundation.errors import KvslimError
+        from runtime.kernels.paged_attention import check_batch
+
+        device, tokens = self.cache.device, batch.positions.shape[0]
+        for g, table in enumerate(batch.block_tables):
+            check_batch(table, batch.context_lens, batch.query_start_loc, device)
+            slots = batch.slot_mapping[g]
+            if slots.dtype != torch.int64 or tuple(slots.shape) != (tokens,) or slots.device != device:
+                raise KvslimError(f"slot_mapping must be int64 [{tokens}] on {device}, "
+                                  f"got {slots.dtype} {tuple(slots.shape)} on {slots.device}")
 
     def set_batch(self, batch: PagedBatch, max_context_len: int | None = None) -> None:
         """``max_context_len``: launch the attention for this context whatever the batch holds (a
         CUDA graph's fixed launch shape; each program still reads only its sequence's keys)."""
+        self._check_batch(batch)
         self.batch = batch
         self._new_rows_by_slot = {}
         self._rotary = StepKeyRotary(batch.positions)
@@ -80,13 +109,14 @@ class KernelAttentionBackend:
         if isinstance(lc, PackedLayerCache):
             read_rope = rope if lc.keys_before_rope else None  # the kernel rotates each key it reads
             if k is not None:
-                self._store_packed(k if read_rope else k_rotated, v, lc, batch.slot_mapping[g])
+                self._store_packed(k if read_rope else k_rotated, v, lc, batch.slot_mapping[g], validate=False)
                 self._new_rows_by_slot[slot] = (k_rotated, v)
             # a layer reading another layer's KV reads its new rows exact too
             k, v = self._new_rows_by_slot.get(slot, (None, None))
             return self._attention_packed(q, k, v, lc, *meta, sinks=params.sinks, key_rope=read_rope,
-                                          **self._launch_bounds)
+                                          validate=False, **self._launch_bounds)
         if k is not None:
-            self._store(k_rotated, v, lc.k_cache, lc.v_cache, batch.slot_mapping[g], lc.k_scale, lc.v_scale)
+            self._store(k_rotated, v, lc.k_cache, lc.v_cache, batch.slot_mapping[g], lc.k_scale, lc.v_scale,
+                        validate=False)
         return self._attention(q, lc.k_cache, lc.v_cache, *meta, lc.k_scale, lc.v_scale, sinks=params.sinks,
-                               **self._launch_bounds)
+                               validate=False, **self._launch_bounds)

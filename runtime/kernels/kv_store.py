@@ -116,6 +116,19 @@ def check_kv_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale
     return kinds.pop()
 
 
+def scales_per_token(k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> bool:
+    """Whether scales that ``check_kv_scales`` accepted are per token and head (else none or scalars)."""
+    return k_scale is not None and tuple(k_scale.shape) == tuple(k_cache.shape[:3])
+
+
+def check_layer_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                      v_scale: torch.Tensor | None) -> None:
+    """One layer's paged cache and scales, as the store and attention kernels index them: checked
+    once where the cache is built (``validate=False`` then skips it per call)."""
+    check_kv_cache(k_cache, v_cache)
+    check_kv_scales(k_cache, k_scale, v_scale)
+
+
 def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise KvslimError(f"k_cache/v_cache must be equal [blocks, block_size, kv_heads, head_dim], got {tuple(k_cache.shape)} {k_cache.dtype} and {tuple(v_cache.shape)} {v_cache.dtype}")
@@ -143,10 +156,16 @@ def store_kv(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    validate: bool = True,
 ) -> None:
-    """Write ``k``, ``v`` ``[T, KVH, D]`` into the cache at ``slot_mapping`` (in place)."""
-    _check_store(k, v, k_cache, v_cache, slot_mapping)
-    per_token = check_kv_scales(k_cache, k_scale, v_scale)
+    """Write ``k``, ``v`` ``[T, KVH, D]`` into the cache at ``slot_mapping`` (in place).
+    ``validate=False``: the caller checked the cache once (``check_layer_cache``) and the step's
+    inputs where it built them."""
+    if validate:
+        _check_store(k, v, k_cache, v_cache, slot_mapping)
+        check_kv_scales(k_cache, k_scale, v_scale)
+    per_token = scales_per_token(k_cache, k_scale)
     k, v = k.contiguous(), v.contiguous()
     T, kvh, d = k.shape
     quant = k_cache.dtype in QUANTIZED_KV_DTYPES
@@ -179,10 +198,13 @@ def reference_store_kv(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    validate: bool = True,
 ) -> None:
     """Plain-torch oracle (and CPU path) for ``store_kv``; writes in place."""
-    _check_store(k, v, k_cache, v_cache, slot_mapping)
-    check_kv_scales(k_cache, k_scale, v_scale)
+    if validate:
+        _check_store(k, v, k_cache, v_cache, slot_mapping)
+        check_kv_scales(k_cache, k_scale, v_scale)
     keep = slot_mapping >= 0
     store_rows(k_cache, k_scale, k[keep], slot_mapping[keep])
     store_rows(v_cache, v_scale, v[keep], slot_mapping[keep])

@@ -183,10 +183,13 @@ def quantize_num_warps(block_size: int, head_dim: int) -> int:
     return min(16, max(4, triton.next_power_of_2(block_size) * triton.next_power_of_2(head_dim) // 512))
 
 
-def store_packed_kv(k: torch.Tensor, v: torch.Tensor, cache: PackedLayerCache, slot_mapping: torch.Tensor) -> None:
+def store_packed_kv(k: torch.Tensor, v: torch.Tensor, cache: PackedLayerCache, slot_mapping: torch.Tensor, *,
+                    validate: bool = True) -> None:
     """Write ``k``, ``v`` ``[T, KVH, D]`` at ``slot_mapping`` and quantize the blocks they fill
-    (``PackedLayerCache.write`` on the device)."""
-    _check_store(k, v, cache, slot_mapping)
+    (``PackedLayerCache.write`` on the device). ``validate=False``: the caller checked the layer
+    once (``check_packed_layer``) and the step's inputs where it built them."""
+    if validate:
+        _check_store(k, v, cache, slot_mapping)
     k, v = k.contiguous(), v.contiguous()
     T, kvh, d = k.shape
     res, codes = cache.k_residual, cache.k_codes
@@ -223,7 +226,9 @@ def store_packed_kv(k: torch.Tensor, v: torch.Tensor, cache: PackedLayerCache, s
 
 
 # --------------------------------------------------------------------------- reference (plain torch)
-def reference_store_packed_kv(k: torch.Tensor, v: torch.Tensor, cache: PackedLayerCache, slot_mapping: torch.Tensor) -> None:
+def reference_store_packed_kv(k: torch.Tensor, v: torch.Tensor, cache: PackedLayerCache, slot_mapping: torch.Tensor, *,
+                              validate: bool = True) -> None:
     """Plain-torch oracle (and CPU path) for ``store_packed_kv``: ``PackedLayerCache.write``."""
-    _check_store(k, v, cache, slot_mapping)
+    if validate:
+        _check_store(k, v, cache, slot_mapping)
     cache.write(k, v, slot_mapping)

@@ -223,14 +223,20 @@ def key_tile(block_size: int, head_dim: int) -> tuple[int, bool]:
     return 16, False
 
 
-def _check_inputs(q, k, v, cache: PackedLayerCache, block_tables, context_lens, query_start_loc,
-                  key_rope: KeyRope | None) -> None:
-    check_packed_layer(cache)
-    _, _, kvh, d = cache.k_residual.shape
+def check_packed_rope(cache: PackedLayerCache, key_rope: KeyRope | None) -> None:
+    """A key rope the kernel can apply on read to this layer's packed keys (None: keys stored rotated)."""
+    d = cache.k_residual.shape[-1]
     if key_rope is not None and (len(key_rope.inv_freq) * 2 != d or d % (2 * (8 // cache.bits))):
         raise KvslimError(f"a key rope of {len(key_rope.inv_freq)} frequencies cannot rotate {cache.bits}-bit "
                           f"keys of head_dim {d} (needs head_dim / 2 frequencies, head_dim a multiple of "
                           f"{2 * (8 // cache.bits)})")
+
+
+def _check_inputs(q, k, v, cache: PackedLayerCache, block_tables, context_lens, query_start_loc,
+                  key_rope: KeyRope | None) -> None:
+    check_packed_layer(cache)
+    check_packed_rope(cache, key_rope)
+    _, _, kvh, d = cache.k_residual.shape
     check_attention_inputs(q, d, kvh, block_tables, context_lens, query_start_loc)
     if (k is None) != (v is None):
         raise KvslimError("the step's k and v must be given together")
@@ -258,13 +264,18 @@ def packed_paged_attention(
     num_splits: int | None = None,
     sinks: int = 0,
     key_rope: KeyRope | None = None,
+    *,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Causal attention of the step's tokens over their paged context in a packed layer (the
     batch metadata and its meaning are ``paged_attention``'s). ``k``, ``v`` ``[T, KVH, D]`` in q's
     dtype: the step's new rows (rotated), already stored, read exact; None (a layer reading
     another's KV): every key is read from the cache. ``key_rope``: the cache holds keys before
-    RoPE, rotated by it at each key's position after dequantization."""
-    _check_inputs(q, k, v, cache, block_tables, context_lens, query_start_loc, key_rope)
+    RoPE, rotated by it at each key's position after dequantization. ``validate=False``: the
+    caller checked the layer once (``check_packed_layer``, ``check_packed_rope``) and the batch
+    where it built it (``check_batch``)."""
+    if validate:
+        _check_inputs(q, k, v, cache, block_tables, context_lens, query_start_loc, key_rope)
     T, H, D = q.shape
     S = context_lens.shape[0]
     if T == 0 or S == 0:
@@ -327,11 +338,14 @@ def reference_packed_paged_attention(
     max_context_len: int | None = None,
     sinks: int = 0,
     key_rope: KeyRope | None = None,
+    *,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Plain-torch oracle (and CPU path) for ``packed_paged_attention`` (launch bounds ignored), the
     torch path's read: per sequence, ``PackedLayerCache.gather`` in fp32 (keys rotated by ``key_rope`` at their
     positions), the step's own rows overwritten with ``k``/``v``, then ``reference_attention``."""
-    _check_inputs(q, k, v, cache, block_tables, context_lens, query_start_loc, key_rope)
+    if validate:
+        _check_inputs(q, k, v, cache, block_tables, context_lens, query_start_loc, key_rope)
     bs = cache.block_size
     starts = query_start_loc.tolist()
 

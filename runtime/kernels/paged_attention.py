@@ -32,6 +32,7 @@ from runtime.cache.paged_rows import gather_blocks
 from runtime.kernels.kv_store import (
     check_kv_cache,
     check_kv_scales,
+    scales_per_token,
 )
 
 SPLIT_MIN_TOKENS = 256  # a decode split covers at least this many cached tokens
@@ -194,11 +195,16 @@ def check_attention_inputs(q, head_dim: int, kv_heads: int, block_tables, contex
         raise KvslimError(f"q dtype {q.dtype} is not bf16/fp16/fp32")
     if q.shape[1] % kv_heads:
         raise KvslimError(f"{q.shape[1]} query heads are not a multiple of {kv_heads} KV heads")
+    check_batch(block_tables, context_lens, query_start_loc, q.device)
+
+
+def check_batch(block_tables, context_lens, query_start_loc, device: torch.device) -> None:
+    """The batch metadata's dtypes, shapes and device: checked once per step where it is built."""
     S = context_lens.shape[0]
     for name, t, shape in (("block_tables", block_tables, (S, block_tables.shape[-1])),
                            ("context_lens", context_lens, (S,)), ("query_start_loc", query_start_loc, (S + 1,))):
-        if t.dtype != torch.int32 or tuple(t.shape) != shape or t.device != q.device:
-            raise KvslimError(f"{name} must be int32 {list(shape)} on {q.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+        if t.dtype != torch.int32 or tuple(t.shape) != shape or t.device != device:
+            raise KvslimError(f"{name} must be int32 {list(shape)} on {device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
 
 
 def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, k_scale, v_scale) -> bool:
@@ -303,10 +309,16 @@ def paged_attention(
     max_context_len: int | None = None,
     num_splits: int | None = None,
     sinks: int = 0,
+    *,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Causal attention of the step's tokens over their paged context (see module docstring).
-    ``max_query_len``/``max_context_len`` avoid a device sync when the caller knows them."""
-    per_token = _check_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, k_scale, v_scale)
+    ``max_query_len``/``max_context_len`` avoid a device sync when the caller knows them.
+    ``validate=False``: the caller checked the cache once (``check_layer_cache``) and the batch
+    where it built it (``check_batch``)."""
+    if validate:
+        _check_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, k_scale, v_scale)
+    per_token = scales_per_token(k_cache, k_scale)
     T, H, D = q.shape
     S = context_lens.shape[0]
     kvh = k_cache.shape[2]
@@ -395,11 +407,14 @@ def reference_paged_attention(
     max_query_len: int | None = None,
     max_context_len: int | None = None,
     sinks: int = 0,
+    *,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Plain-torch oracle (and CPU path) for ``paged_attention``: per sequence, gather and
     dequantize its cache, then ``attention_backend.reference_attention``. The launch bounds
     (``max_query_len``, ``max_context_len``) are the kernel's; the reference reads each sequence's own."""
-    _check_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, k_scale, v_scale)
+    if validate:
+        _check_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, k_scale, v_scale)
 
     def gather(s: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return (gather_sequence_kv(k_cache, k_scale, block_tables[s], ctx),

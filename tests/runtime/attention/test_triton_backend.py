@@ -88,6 +88,39 @@ def test_reference_routing_on_cpu():
     torch.testing.assert_close(ours.attend(0, q, k, v), theirs.attend(0, q, k, v), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_inputs_are_checked_once_where_built_not_per_layer(monkeypatch, kv_dtype):
+    """The caches are checked when the backend is built and the batch once per step: a bad batch is
+    one line at ``set_batch``, and ``attend`` runs no input check of its own."""
+    from foundation.errors import KvslimError
+    from runtime.kernels import packed_paged_attention as ppa
+    from runtime.kernels import paged_attention as pa
+
+    _, ours, _ = make_backends(kv_dtype, False, None, use_triton=False, device="cpu")
+    bad = PagedBatch.build(4, [0], [3], [((0,), (1,))])
+    bad = PagedBatch(**{**bad.__dict__, "context_lens": bad.context_lens.long()})
+    with pytest.raises(KvslimError, match="context_lens must be int32"):
+        ours.set_batch(bad)
+    ours.set_batch(PagedBatch.build(4, [0], [3], [((0,), (1,))]))
+
+    def checked(*args, **kwargs):
+        raise AssertionError("checked per call")
+
+    monkeypatch.setattr(pa, "_check_inputs", checked)
+    monkeypatch.setattr(ppa, "_check_inputs", checked)
+    q, k, v = torch.randn(3, 4, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    assert ours.attend(0, q, k, v).shape == q.shape
+
+
+def test_a_cache_the_kernels_cannot_index_is_refused_when_the_backend_is_built():
+    from foundation.errors import KvslimError
+
+    _, ours, _ = make_backends("int8", False, None, use_triton=False, device="cpu")
+    ours.cache.layers[0].v_scale = None
+    with pytest.raises(KvslimError, match="needs k_scale and v_scale"):
+        KernelAttentionBackend(ours.cache, ours.params, use_triton=False)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the engine keeps its cache on the CPU; this drives the kernels through the interpreter")
 @pytest.mark.parametrize("arch,kv_dtype,overrides", [
     ("gemma3_text", "int8", {}),  # sliding + full layers, softcap-free
