@@ -13,7 +13,7 @@ them before RoPE (int2), after it, and every key read rotated at its position in
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from runtime.attention.backend import AttentionParams
 from runtime.attention.key_rope import KeyRope, StepKeyRotary
 from runtime.cache.kv_cache import RELEASED, KVCache, sink_block_count
+from runtime.cache.packed_layer import WritePlan
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,16 @@ class PagedBatch:
     slot_mapping: tuple[torch.Tensor, ...]
     decode_seqs: torch.Tensor  # indices of sequences with exactly one new token
     decode_rows: torch.Tensor  # their rows in the flattened batch
+    slot_mapping_host: tuple[torch.Tensor, ...] = ()  # ``slot_mapping`` as built on the host
+    _write_plans: dict[int, WritePlan] = field(default_factory=dict, compare=False, repr=False)
+
+    def write_plan(self, g: int) -> WritePlan:
+        """Group ``g``'s packed-KV write plan for this step: computed once, from the host's slots
+        (no device read), for every layer of the group."""
+        if g not in self._write_plans:
+            slots = self.slot_mapping_host[g] if self.slot_mapping_host else self.slot_mapping[g]
+            self._write_plans[g] = WritePlan.of(slots, self.block_size, self.slot_mapping[g].device)
+        return self._write_plans[g]
 
     @classmethod
     def build(
@@ -62,7 +73,7 @@ class PagedBatch:
         positions = torch.cat([torch.arange(p, p + n, device=host) for p, n in zip(first_positions, query_lens)])
         seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens), device=host),
                                                torch.tensor(query_lens, device=host))
-        block_tables, slot_mapping = [], []
+        block_tables, slot_mapping, slot_mapping_host = [], [], []
         for g in range(num_groups):
             width = max(len(t[g]) for t in tables)
             bt = torch.zeros(len(tables), width, dtype=torch.int32, device=host)
@@ -72,6 +83,7 @@ class PagedBatch:
             slots = bt[seq_of_token, positions // block_size].long() * block_size + positions % block_size
             block_tables.append(bt.to(device))
             slot_mapping.append(slots.to(device))
+            slot_mapping_host.append(slots)
         decode = [i for i, n in enumerate(query_lens) if n == 1]
         return cls(
             block_size=block_size,
@@ -84,6 +96,7 @@ class PagedBatch:
             slot_mapping=tuple(slot_mapping),
             decode_seqs=torch.tensor(decode, dtype=torch.long, device=device),
             decode_rows=torch.tensor([starts[i] for i in decode], dtype=torch.long, device=device),
+            slot_mapping_host=tuple(slot_mapping_host),
         )
 
 
@@ -244,7 +257,8 @@ class PagedAttentionBackend:
         read_rope = rope if self.cache.keys_before_rope(layer_idx) else None  # rotate keys on read
         if k is not None:
             k_rotated = self._rotary(rope, k)
-            self.cache.write(layer_idx, k if read_rope else k_rotated, v, batch.slot_mapping[g])
+            plan = batch.write_plan(g) if self.cache.is_packed(layer_idx) else None
+            self.cache.write(layer_idx, k if read_rope else k_rotated, v, batch.slot_mapping[g], plan)
             k = k_rotated
         packed = self.cache.is_packed(layer_idx)
         if packed and k is not None:

@@ -34,7 +34,7 @@ from runtime.cache.low_bit_kv import (
     bytes_per_token_head,
     packed_dim,
 )
-from runtime.cache.packed_layer import PackedLayerCache
+from runtime.cache.packed_layer import PackedLayerCache, WritePlan
 from runtime.cache.paged_rows import gather_blocks, store_rows
 
 KV_DTYPES: dict[str, torch.dtype] = {
@@ -353,11 +353,13 @@ class KVCache:
         """Bytes actually allocated for group ``g`` (counted from the tensors)."""
         return sum(t.numel() * t.element_size() for t in self.tensors[g].values())
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store new ``k``, ``v`` ``[T, kvh, D]`` at ``slot_mapping [T]``, quantizing on write."""
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+              plan: WritePlan | None = None) -> None:
+        """Store new ``k``, ``v`` ``[T, kvh, D]`` at ``slot_mapping [T]``, quantizing on write
+        (``plan``: a packed layer's write plan for these slots, the step's)."""
         lc = self.layers[layer]
         if isinstance(lc, PackedLayerCache):
-            lc.write(k, v, slot_mapping)
+            lc.write(k, v, slot_mapping, plan)
             return
         store_rows(lc.k_cache, lc.k_scale, k, slot_mapping)
         store_rows(lc.v_cache, lc.v_scale, v, slot_mapping)

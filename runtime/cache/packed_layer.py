@@ -9,7 +9,9 @@ while open gives its slot back through ``release`` (the block manager's free hoo
 sequence are written in position order, so offset 0 opens a block and offset ``block_size - 1``
 closes it. Which block holds which slot is kept on the host too (``slot_host``), so opening,
 closing and planning a write read nothing back from the device (on a GPU each such read was a sync
-per open block and layer); the device copy ``slot_of`` is what the kernels read.
+per open block and layer); the device copy ``slot_of`` is what the kernels read. A write's plan
+(``WritePlan``) depends on its slots alone: the step's batch computes it once per cache group from
+its host copy of the slots (``PagedBatch.write_plan``), for every layer of the group.
 """
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ from typing import Callable
 
 import numpy as np
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from foundation.errors import KvslimError
 from runtime.cache.low_bit_kv import (
@@ -40,10 +41,24 @@ class WritePlan:
     full_blocks: tuple[int, ...]  # ``full`` as ints (read once, not per layer)
     open_blocks: tuple[int, ...]  # the blocks of the rows that stay open
 
+    @classmethod
+    def of(cls, slots: torch.Tensor, block_size: int, device: torch.device | str | None = None) -> "WritePlan":
+        """The plan of a write to ``slots [T]``, computed on the host (``slots`` there: no device
+        read), its tensors on ``device`` (default: the slots')."""
+        device = torch.device(device or slots.device)
+        bs, host = block_size, slots.cpu()
+        blocks, offsets = host // bs, host % bs
+        full = blocks[offsets == bs - 1].unique()  # sorted
+        fills = torch.isin(blocks, full)
+        src = torch.full((full.numel(), bs), -1, dtype=torch.long, device="cpu")
+        src[torch.searchsorted(full, blocks[fills]), offsets[fills]] = fills.nonzero().squeeze(1)
+        stays = ~fills
 
-# Every layer of a cache group receives the same slot_mapping tensor in a step, and a plan depends on
-# the slots alone: it is computed once per step and group (one host sync on a GPU, not one per layer).
-_PLANS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # slots tensor (by identity) -> {block size: plan}
+        def to_device(t: torch.Tensor) -> torch.Tensor:  # pinned: the copy queues behind the step's work
+            return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+        return cls(to_device(full), to_device(src), to_device(stays), tuple(full.tolist()),
+                   tuple(blocks[stays].unique().tolist()))
 
 
 class PackedLayerCache:
@@ -95,28 +110,14 @@ class PackedLayerCache:
             self._free.extend(int(self.slot_host[b]) for b in held)
             self._set_slots(held, [-1] * len(held))
 
-    def plan_write(self, slots: torch.Tensor) -> WritePlan:
-        """Which blocks a write to ``slots [T]`` fills, where each of their rows comes from, and
-        which rows stay in residual slots (computed once per slots tensor and block size)."""
-        bs = self.block_size
-        by_size = _PLANS.setdefault(slots, {})
-        if bs not in by_size:
-            blocks, offsets = slots // bs, slots % bs
-            full = blocks[offsets == bs - 1].unique()  # sorted
-            fills = torch.isin(blocks, full)
-            src = torch.full((full.numel(), bs), -1, dtype=torch.long, device=slots.device)
-            src[torch.searchsorted(full, blocks[fills]), offsets[fills]] = fills.nonzero().squeeze(1)
-            stays = ~fills
-            by_size[bs] = WritePlan(full, src, stays, tuple(full.tolist()), tuple(blocks[stays].unique().tolist()))
-        return by_size[bs]
-
     def apply_write(self, slots: torch.Tensor, quantize: Callable[[WritePlan], None],
-                    store: Callable[[torch.Tensor], None]) -> None:
+                    store: Callable[[torch.Tensor], None], plan: WritePlan | None = None) -> None:
         """The order of every write, whichever code moves the data: ``quantize(plan)`` the blocks it
         fills, give back the slots they held, give the blocks left open slots, then ``store(stays)``
         their rows at ``slot_of``. Filled blocks go first, so the slots they free serve the blocks
-        opened now, and a prompt spanning many blocks needs no more slots than the blocks it leaves open."""
-        plan = self.plan_write(slots)
+        opened now, and a prompt spanning many blocks needs no more slots than the blocks it leaves open.
+        ``plan``: the step's, computed once for the slots (default: computed here)."""
+        plan = plan or WritePlan.of(slots, self.block_size)
         if plan.full_blocks:
             quantize(plan)
             self._release(plan.full_blocks)
@@ -124,7 +125,7 @@ class PackedLayerCache:
             self._open(plan.open_blocks)
             store(plan.stays)
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, plan: WritePlan | None = None) -> None:
         """Store new rows ``[T, kvh, D]`` at ``slots [T]``; quantize every block this write fills."""
         bs = self.block_size
 
@@ -140,7 +141,7 @@ class PackedLayerCache:
             self.k_residual[index, offsets] = k[stays].to(self.residual_dtype)
             self.v_residual[index, offsets] = v[stays].to(self.residual_dtype)
 
-        self.apply_write(slots, quantize, store)
+        self.apply_write(slots, quantize, store, plan)
 
     def _filled_rows(self, plan: WritePlan, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Rows ``[n_full, block_size, kvh, D]`` of the filled blocks in the residual dtype: this

@@ -184,7 +184,7 @@ def quantize_num_warps(block_size: int, head_dim: int) -> int:
 
 
 def store_packed_kv(k: torch.Tensor, v: torch.Tensor, cache: PackedLayerCache, slot_mapping: torch.Tensor, *,
-                    validate: bool = True) -> None:
+                    plan: WritePlan | None = None, validate: bool = True) -> None:
     """Write ``k``, ``v`` ``[T, KVH, D]`` at ``slot_mapping`` and quantize the blocks they fill
     (``PackedLayerCache.write`` on the device). ``validate=False``: the caller checked the layer
     once (``check_packed_layer``) and the step's inputs where it built them."""
@@ -222,13 +222,13 @@ def store_packed_kv(k: torch.Tensor, v: torch.Tensor, cache: PackedLayerCache, s
             BLOCK_H=triton.next_power_of_2(kvh), BLOCK_D=triton.next_power_of_2(d),
         )
 
-    cache.apply_write(slot_mapping, quantize, store)
+    cache.apply_write(slot_mapping, quantize, store, plan)
 
 
 # --------------------------------------------------------------------------- reference (plain torch)
 def reference_store_packed_kv(k: torch.Tensor, v: torch.Tensor, cache: PackedLayerCache, slot_mapping: torch.Tensor, *,
-                              validate: bool = True) -> None:
+                              plan: WritePlan | None = None, validate: bool = True) -> None:
     """Plain-torch oracle (and CPU path) for ``store_packed_kv``: ``PackedLayerCache.write``."""
     if validate:
         _check_store(k, v, cache, slot_mapping)
-    cache.write(k, v, slot_mapping)
+    cache.write(k, v, slot_mapping, plan)
