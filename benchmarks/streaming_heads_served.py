@@ -47,7 +47,7 @@ def main() -> int:
     from transformers import AutoModelForCausalLM
 
     from attention_variants.streaming_heads import head_scores, streaming_kv_heads
-    from eval.kv_plan import served_perplexity
+    from eval.kv_plan_measurements import served_perplexity
     from foundation.calibration import CalibrationSpec, calibration_ids
     from foundation.checkpoint import Checkpoint
     from foundation.model_source import resolve_model

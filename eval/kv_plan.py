@@ -31,17 +31,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import tempfile
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 from attention_variants.convert import DEFAULT_SINKS, ConvertSpec, convert
+from eval.kv_plan_measurements import rank, retrieval_rank, served_perplexity, served_retrieval
 from foundation.attention_layout import FULL, SINKS_KEY, SLIDING, STREAMING_KEY, AttentionLayout
 from foundation.calibration import CalibrationSpec, load_tokenizer, token_windows
 from foundation.checkpoint import Checkpoint
@@ -290,69 +286,6 @@ def candidates(config: dict, ctx: int, budget_bytes: float | None, ranking: dict
     return sorted(unique.values(), key=lambda c: c.kv_bytes_per_token)  # fewest bytes first (one of each layout)
 
 
-def rank(model_dir: Path, ids: torch.Tensor, windows: tuple[int, ...]) -> tuple[dict[int, list[int]],
-                                                                             dict[int, list[tuple[int, int]]]]:
-    """Per window, the layers and the (layer, KV head) pairs by attention mass beyond it on ``ids``
-    (most first), from one pass (``head_scores_by_window``; a layer's mass is its heads' mean, the
-    rule ``--global-select calib`` ranks layers by)."""
-    from transformers import AutoModelForCausalLM
-
-    from attention_variants.streaming_heads import head_scores_by_window
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    layers, heads = {}, {}
-    for w, scores in head_scores_by_window(model, ids, windows, PLAN_SINKS).items():
-        mass = scores["mass"]
-        layers[w] = mass.mean(1).argsort(descending=True, stable=True).tolist()
-        heads[w] = [divmod(int(i), mass.shape[1]) for i in mass.flatten().argsort(descending=True, stable=True)]
-    return layers, heads
-
-
-@contextmanager
-def served_engine(model_dir: Path, config: dict, kv_dtype: str, ctx: int):
-    """The runtime's engine over the checkpoint's weights under ``config`` (the layout a candidate
-    rewrites), its paged cache in ``kv_dtype``, room for one ``ctx``-token sequence."""
-    from runtime.engine.engine import Engine, EngineConfig
-    from runtime.model.loader import load_model
-
-    with tempfile.TemporaryDirectory(prefix="kvslim-plan-") as tmp:
-        for f in Path(model_dir).iterdir():  # the weights as they are, the layout from config
-            if f.name != "config.json":
-                os.symlink(f.resolve(), Path(tmp) / f.name)
-        (Path(tmp) / "config.json").write_text(json.dumps(config))
-        model = load_model(Path(tmp), "auto")
-        room = min(ctx + 32, model.spec.max_position_embeddings)
-        yield Engine(model, EngineConfig(kv_dtype=kv_dtype, max_num_batched_tokens=ctx, max_model_len=room,
-                                         max_num_seqs=4, kv_cache_bytes=max(64, ctx // 8) << 20))
-
-
-def served_perplexity(model_dir: Path, config: dict, kv_dtype: str, ids: torch.Tensor, text: str, ctx: int) -> float:
-    """Perplexity of ``ids`` at context ``ctx`` (stride ctx/2) through the runtime's paged cache,
-    the checkpoint's weights under ``config``."""
-    from foundation.perplexity import perplexity
-
-    with served_engine(model_dir, config, kv_dtype, ctx) as engine:
-        return perplexity(lambda x: engine.score(x[0])[None], ids, text, context=ctx,
-                          stride=max(1, ctx // 2)).perplexity
-
-
-def served_retrieval(model_dir: Path, config: dict, kv_dtype: str, prompts: list, tokenizer,
-                     ctx: int) -> dict[int, float]:
-    """Accuracy per depth of greedy answers to the retrieval ``prompts`` served by the runtime, the
-    cache as the candidate holds it."""
-    from eval.retrieval_task import ANSWER_TOKENS, answered
-    from runtime.engine.sampling import SamplingParams
-
-    ids = [tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
-    with served_engine(model_dir, config, kv_dtype, ctx) as engine:
-        outs = engine.generate(ids, SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0))
-    by_depth: dict[int, list[bool]] = {}
-    for p, o in zip(prompts, outs):
-        text = tokenizer.decode(o.token_ids, skip_special_tokens=True)
-        by_depth.setdefault(p.depth, []).append(answered(text, p.answer))
-    return {d: sum(hits) / len(hits) for d, hits in sorted(by_depth.items())}
-
-
 def within(retrieval: dict[int, float], original: dict[int, float], drop: float) -> bool:
     """At every depth, no more than ``drop`` below the original's accuracy."""
     return all(retrieval.get(d, 0.0) >= acc - drop - 1e-9 for d, acc in original.items())
@@ -366,18 +299,6 @@ def retrieval_prompts(tokenizer, ctx: int, samples: int = RETRIEVAL_SAMPLES) -> 
     tasks = [RetrievalTask(name, contexts=(ctx,), depths=RETRIEVAL_DEPTHS, samples=samples)
              for name in RETRIEVAL_CALIB]
     return [p for task in tasks for p in task.prompts(tokenizer)]
-
-
-def retrieval_rank(model_dir: Path, tokenizer, prompts: list) -> list[tuple[int, int]]:
-    """(layer, KV head) by the attention the question puts on the fact, most first
-    (``attention_variants.retrieval_heads``), over the prompts whose fact is not at the end."""
-    from transformers import AutoModelForCausalLM
-
-    from attention_variants.retrieval_heads import retrieval_head_scores
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    scores = retrieval_head_scores(model, tokenizer, [p for p in prompts if p.depth < 100])
-    return [divmod(int(i), scores.shape[1]) for i in scores.flatten().argsort(descending=True, stable=True)]
 
 
 def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase: float | None = None,
@@ -406,7 +327,7 @@ def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase
     calibration = f"{CALIB_SEQS} x {ctx} tokens of {source}"
     dev_text = f"{source} tokens [{CALIB_SEQS * ctx}, {(CALIB_SEQS + DEV_WINDOWS) * ctx})"
     progress(f"ranking layers and KV heads by attention mass beyond windows {list(windows)} on {calibration}")
-    ranking, head_ranking = rank(ckpt.path, calib_ids, windows) if windows else ({}, {})
+    ranking, head_ranking = rank(ckpt.path, calib_ids, windows, PLAN_SINKS) if windows else ({}, {})
     prompts = retrieval_prompts(tokenizer, ctx, retrieval_samples) if min_retrieval is not None else []
     prompt_text = (f"{len(prompts)} prompts of {ctx} tokens: {', '.join(RETRIEVAL_CALIB)} at depths "
                    f"{', '.join(map(str, RETRIEVAL_DEPTHS))}%" if prompts else "")

@@ -1,0 +1,87 @@
+"""What the KV planner (``eval.kv_plan``) measures: layers and KV heads ranked on calibration text
+and retrieval prompts, and each candidate served by the runtime (its paged cache really quantized
+and read back) for perplexity and retrieval."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+
+def rank(model_dir: Path, ids: torch.Tensor, windows: tuple[int, ...],
+         sinks: int) -> tuple[dict[int, list[int]], dict[int, list[tuple[int, int]]]]:
+    """Per window (with ``sinks`` attention sinks), the layers and the (layer, KV head) pairs by
+    attention mass beyond it on ``ids`` (most first), from one pass (``head_scores_by_window``; a
+    layer's mass is its heads' mean, the rule ``--global-select calib`` ranks layers by)."""
+    from transformers import AutoModelForCausalLM
+
+    from attention_variants.streaming_heads import head_scores_by_window
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    layers, heads = {}, {}
+    for w, scores in head_scores_by_window(model, ids, windows, sinks).items():
+        mass = scores["mass"]
+        layers[w] = mass.mean(1).argsort(descending=True, stable=True).tolist()
+        heads[w] = [divmod(int(i), mass.shape[1]) for i in mass.flatten().argsort(descending=True, stable=True)]
+    return layers, heads
+
+
+@contextmanager
+def served_engine(model_dir: Path, config: dict, kv_dtype: str, ctx: int):
+    """The runtime's engine over the checkpoint's weights under ``config`` (the layout a candidate
+    rewrites), its paged cache in ``kv_dtype``, room for one ``ctx``-token sequence."""
+    from runtime.engine.engine import Engine, EngineConfig
+    from runtime.model.loader import load_model
+
+    with tempfile.TemporaryDirectory(prefix="kvslim-plan-") as tmp:
+        for f in Path(model_dir).iterdir():  # the weights as they are, the layout from config
+            if f.name != "config.json":
+                os.symlink(f.resolve(), Path(tmp) / f.name)
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        model = load_model(Path(tmp), "auto")
+        room = min(ctx + 32, model.spec.max_position_embeddings)
+        yield Engine(model, EngineConfig(kv_dtype=kv_dtype, max_num_batched_tokens=ctx, max_model_len=room,
+                                         max_num_seqs=4, kv_cache_bytes=max(64, ctx // 8) << 20))
+
+
+def served_perplexity(model_dir: Path, config: dict, kv_dtype: str, ids: torch.Tensor, text: str, ctx: int) -> float:
+    """Perplexity of ``ids`` at context ``ctx`` (stride ctx/2) through the runtime's paged cache,
+    the checkpoint's weights under ``config``."""
+    from foundation.perplexity import perplexity
+
+    with served_engine(model_dir, config, kv_dtype, ctx) as engine:
+        return perplexity(lambda x: engine.score(x[0])[None], ids, text, context=ctx,
+                          stride=max(1, ctx // 2)).perplexity
+
+
+def served_retrieval(model_dir: Path, config: dict, kv_dtype: str, prompts: list, tokenizer,
+                     ctx: int) -> dict[int, float]:
+    """Accuracy per depth of greedy answers to the retrieval ``prompts`` served by the runtime, the
+    cache as the candidate holds it."""
+    from eval.retrieval_task import ANSWER_TOKENS, answered
+    from runtime.engine.sampling import SamplingParams
+
+    ids = [tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
+    with served_engine(model_dir, config, kv_dtype, ctx) as engine:
+        outs = engine.generate(ids, SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0))
+    by_depth: dict[int, list[bool]] = {}
+    for p, o in zip(prompts, outs):
+        text = tokenizer.decode(o.token_ids, skip_special_tokens=True)
+        by_depth.setdefault(p.depth, []).append(answered(text, p.answer))
+    return {d: sum(hits) / len(hits) for d, hits in sorted(by_depth.items())}
+
+
+def retrieval_rank(model_dir: Path, tokenizer, prompts: list) -> list[tuple[int, int]]:
+    """(layer, KV head) by the attention the question puts on the fact, most first
+    (``attention_variants.retrieval_heads``), over the prompts whose fact is not at the end."""
+    from transformers import AutoModelForCausalLM
+
+    from attention_variants.retrieval_heads import retrieval_head_scores
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    scores = retrieval_head_scores(model, tokenizer, [p for p in prompts if p.depth < 100])
+    return [divmod(int(i), scores.shape[1]) for i in scores.flatten().argsort(descending=True, stable=True)]
