@@ -71,14 +71,17 @@ def test_static_decode_per_kv_dtype(tiny_llama, kv_dtype):
     assert_same_tokens(got, ref, tol=1e-3)
 
 
-def test_static_decode_with_streaming_heads_and_sinks(tiny_llama, tmp_path):
-    """Several attention entries per layer, each its own cache group, window and sinks."""
+@pytest.mark.parametrize("kv_dtype,tol", [("fp32", 1e-4), ("int8/fp8_e4m3", 1e-3)])
+def test_static_decode_with_streaming_heads_and_sinks(tiny_llama, tmp_path, kv_dtype, tol):
+    """Several attention entries per layer, each its own cache group, window and sinks (and with a
+    mix, its own KV dtype)."""
     from attention_variants.convert import ConvertSpec, convert
 
     spec = ConvertSpec(sliding_window=8, sinks=5, streaming_set=((), (1,), (0, 1), (0,)))
     model = load_model(convert(tiny_llama, spec, tmp_path / "streaming").out, "float32")
-    got, ref, _ = run_both(model, n_prompts=3)
-    assert_same_tokens(got, ref, tol=1e-4)
+    got, ref, engine = run_both(model, n_prompts=3, kv_dtype=kv_dtype)
+    assert {g.kv_dtype for g in engine.kv_spec.groups} == set(kv_dtype.split("/"))
+    assert_same_tokens(got, ref, tol=tol)
 
 
 def test_static_decode_with_shared_kv(kv_shared_checkpoint):
