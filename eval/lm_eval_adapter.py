@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from foundation.errors import KvslimError
 from runtime.cache.kv_dtype_choices import KV_CACHE_DTYPES as CLI_KV_CACHE_DTYPES
+from runtime.cache.kv_dtype_choices import cache_kv_dtype
 
 MODEL_NAME = "kvslim"
 # model_args spelling -> the engine's KV dtype name
@@ -69,11 +70,10 @@ class KvslimLM(TemplateLM):
         from foundation.model_source import resolve_model
         from runtime.engine.engine import Engine, EngineConfig
 
-        parts = str(kv_cache_dtype).lower().split("/")  # one name, or FULL/WINDOWED
-        if len(parts) > 2 or any(p not in KV_CACHE_DTYPES or (p == "auto" and len(parts) > 1) for p in parts):
-            raise KvslimError(f"kv_cache_dtype={kv_cache_dtype!r}; known: {', '.join(KV_CACHE_DTYPES)}, "
-                              "or FULL/WINDOWED (e.g. int8/int2)")
-        kv_dtype = None if parts == ["auto"] else "/".join(KV_CACHE_DTYPES[p] for p in parts)
+        try:  # one name, or FULL/WINDOWED
+            kv_dtype = cache_kv_dtype(str(kv_cache_dtype).lower(), KV_CACHE_DTYPES)
+        except KvslimError as e:
+            raise KvslimError(f"kv_cache_dtype={kv_cache_dtype!r}: {e}") from None
         path = resolve_model(str(pretrained))
         positions = int(json.loads((path / "config.json").read_text()).get("max_position_embeddings", 2048))
         max_len = int(max_length) if max_length is not None else min(max(min(positions, 4096), int(min_length)),

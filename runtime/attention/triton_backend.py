@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from foundation.errors import KvslimError
 from runtime.attention.backend import AttentionParams
 from runtime.attention.key_rope import StepKeyRotary
 from runtime.attention.paged import PagedBatch
@@ -55,6 +56,8 @@ class KernelAttentionBackend:
         self._new_rows_by_slot: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._rotary: StepKeyRotary | None = None
         self._check_layers()
+        from runtime.kernels.paged_attention import check_batch  # with the kernels: triton is optional
+        self._check_metadata = check_batch
 
     def _check_layers(self) -> None:
         """Every layer's cache as the kernels index it, once: the calls then skip the checks."""
@@ -72,12 +75,9 @@ class KernelAttentionBackend:
 
     def _check_batch(self, batch: PagedBatch) -> None:
         """The step's metadata, once per step (not once per layer)."""
-        from foundation.errors import KvslimError
-        from runtime.kernels.paged_attention import check_batch
-
         device, tokens = self.cache.device, batch.positions.shape[0]
         for g, table in enumerate(batch.block_tables):
-            check_batch(table, batch.context_lens, batch.query_start_loc, device)
+            self._check_metadata(table, batch.context_lens, batch.query_start_loc, device)
             slots = batch.slot_mapping[g]
             if slots.dtype != torch.int64 or tuple(slots.shape) != (tokens,) or slots.device != device:
                 raise KvslimError(f"slot_mapping must be int64 [{tokens}] on {device}, "

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from foundation.kv_dtype_mix import SEPARATOR
+from foundation.errors import KvslimError
+from foundation.kv_dtype_mix import SEPARATOR, KvDtypeMix
 
 # command-line name -> the cache's KV dtype name (None: the checkpoint's kv_cache_scheme, else its
 # plan.json's, else the activation dtype)
@@ -18,28 +19,32 @@ KV_CACHE_DTYPE_HELP = ("KV cache dtype: auto (the checkpoint's kv_cache_scheme, 
                        "KV in the first and sliding layers' and streaming heads' KV in the second")
 
 
-def is_kv_cache_dtype(name: str) -> bool:
-    """``auto``, one name of ``KV_CACHE_DTYPES`` or ``FULL/WINDOWED`` of two."""
-    if name == "auto":
-        return True
-    parts = name.split(SEPARATOR)
-    return len(parts) <= 2 and all(p in KV_CACHE_DTYPES and p != "auto" for p in parts)
-
-
-def cache_kv_dtype(name: str) -> str | None:
-    """A command-line name -> the cache's (``fp8/int2`` -> ``fp8_e4m3/int2``); None for auto."""
-    if not is_kv_cache_dtype(name):
-        raise ValueError(f"unknown KV cache dtype {name!r}; choose one of {', '.join(KV_CACHE_DTYPES)}, "
-                         f"or FULL{SEPARATOR}WINDOWED (e.g. int8{SEPARATOR}int2)")
+def cache_kv_dtype(name: str, names: dict[str, str | None] = KV_CACHE_DTYPES) -> str | None:
+    """A command-line name -> the cache's (``fp8/int2`` -> ``fp8_e4m3/int2``); None for auto.
+    ``names``: spelling -> the cache's name (another caller's aliases)."""
     if name == "auto":
         return None
-    return SEPARATOR.join(KV_CACHE_DTYPES[p] for p in name.split(SEPARATOR))
+    try:
+        mix = KvDtypeMix.parse(name, tuple(n for n in names if n != "auto"))
+    except KvslimError:
+        raise KvslimError(f"unknown KV cache dtype {name!r}; choose one of {', '.join(names)}, "
+                          f"or FULL{SEPARATOR}WINDOWED (e.g. int8{SEPARATOR}int2)") from None
+    return KvDtypeMix(names[mix.full], names[mix.windowed]).name
+
+
+def is_kv_cache_dtype(name: str) -> bool:
+    """``auto``, one name of ``KV_CACHE_DTYPES`` or ``FULL/WINDOWED`` of two."""
+    try:
+        cache_kv_dtype(name)
+    except KvslimError:
+        return False
+    return True
 
 
 def kv_cache_dtype_arg(name: str) -> str:
     """argparse ``type=``: the name as given, refused in one line when unknown."""
     try:
         cache_kv_dtype(name)
-    except ValueError as e:
+    except KvslimError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return name
