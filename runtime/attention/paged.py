@@ -255,12 +255,12 @@ class PagedAttentionBackend:
         params = self.params[layer_idx]
         rope = self.params[params.kv_source].key_rope  # the keys' rotation is their owner's
         read_rope = rope if self.cache.keys_before_rope(layer_idx) else None  # rotate keys on read
+        packed = self.cache.is_packed(layer_idx)
         if k is not None:
             k_rotated = self._rotary(rope, k)
-            plan = batch.write_plan(g) if self.cache.is_packed(layer_idx) else None
+            plan = batch.write_plan(g) if packed else None
             self.cache.write(layer_idx, k if read_rope else k_rotated, v, batch.slot_mapping[g], plan)
             k = k_rotated
-        packed = self.cache.is_packed(layer_idx)
         if packed and k is not None:
             self._new_rows_by_slot[slot] = (k, v)
         elif packed:  # a layer reading another layer's KV reads its new rows exact too
