@@ -4,6 +4,8 @@ Logits come from ``Engine.score``: each window runs through the paged cache, so 
 written and read back exactly as when serving. Weights fp32 (the default model's dequantized GGUF).
 ``fp8_e4m3`` uses per-token-and-head scales; ``fp8_e4m3:calibrated`` the per-layer static scales
 that ``compress quantize --kv-cache-fp8`` writes, calibrated by the same code on ``--calib``.
+``int2:quantized-first-block`` / ``int4:exact-first-block``: int2 without (int4 with) each
+sequence's first block kept exact (``low_bit_kv.EXACT_FIRST_BLOCK_BITS``, the runtime's default).
 
     python benchmarks/engine_kv_perplexity.py --tokens 4096 --json runs/engine_kv_ppl.json
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -33,6 +36,7 @@ def main() -> int:
 
     from foundation.model_source import resolve_model
     from foundation.perplexity import perplexity, tokenize_range
+    from runtime.cache.low_bit_kv import EXACT_FIRST_BLOCK_BITS, LOW_BIT_KV
     from runtime.engine.engine import Engine, EngineConfig
     from runtime.model.loader import load_model
 
@@ -48,9 +52,12 @@ def main() -> int:
     for kv in args.kv_dtypes:
         dtype, _, how = kv.partition(":")
         scales = calibrated_kv_scales(path, args.calib_samples) if how == "calibrated" else None
-        engine = Engine(model, EngineConfig(kv_dtype=dtype, max_num_batched_tokens=args.ctx, max_model_len=args.ctx + 2,
-                                            kv_cache_bytes=max(64, args.ctx // 16) << 20), layer_scales=scales)
-        r = perplexity(lambda x: engine.score(x[0])[None], ids, args.text, context=args.ctx, stride=args.ctx // 2)
+        bits = {"quantized-first-block": EXACT_FIRST_BLOCK_BITS - {LOW_BIT_KV.get(dtype)},
+                "exact-first-block": EXACT_FIRST_BLOCK_BITS | {LOW_BIT_KV.get(dtype)}}.get(how, EXACT_FIRST_BLOCK_BITS)
+        with mock.patch("runtime.cache.kv_cache.EXACT_FIRST_BLOCK_BITS", frozenset(bits)):
+            engine = Engine(model, EngineConfig(kv_dtype=dtype, max_num_batched_tokens=args.ctx, max_model_len=args.ctx + 2,
+                                                kv_cache_bytes=max(64, args.ctx // 16) << 20), layer_scales=scales)
+            r = perplexity(lambda x: engine.score(x[0])[None], ids, args.text, context=args.ctx, stride=args.ctx // 2)
         results[kv] = r.perplexity
         print(f"KV {kv:20s}: {r.describe()}", flush=True)
     base = results.get("bf16")

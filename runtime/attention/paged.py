@@ -46,15 +46,21 @@ class PagedBatch:
     decode_seqs: torch.Tensor  # indices of sequences with exactly one new token
     decode_rows: torch.Tensor  # their rows in the flattened batch
     slot_mapping_host: tuple[torch.Tensor, ...] = ()  # ``slot_mapping`` as built on the host
-    _write_plans: dict[int, WritePlan] = field(default_factory=dict, compare=False, repr=False)
+    positions_host: torch.Tensor | None = None  # ``positions`` as built on the host
+    _write_plans: dict[tuple[int, bool], WritePlan] = field(default_factory=dict, compare=False, repr=False)
 
-    def write_plan(self, g: int) -> WritePlan:
+    def write_plan(self, g: int, exact_first_block: bool = False) -> WritePlan:
         """Group ``g``'s packed-KV write plan for this step: computed once, from the host's slots
-        (no device read), for every layer of the group."""
-        if g not in self._write_plans:
+        (no device read), for every layer of the group; ``exact_first_block``: the group keeps
+        each sequence's first block in its residual slot."""
+        key = (g, exact_first_block)
+        if key not in self._write_plans:
             slots = self.slot_mapping_host[g] if self.slot_mapping_host else self.slot_mapping[g]
-            self._write_plans[g] = WritePlan.of(slots, self.block_size, self.slot_mapping[g].device)
-        return self._write_plans[g]
+            positions = None
+            if exact_first_block:
+                positions = self.positions_host if self.positions_host is not None else self.positions
+            self._write_plans[key] = WritePlan.of(slots, self.block_size, self.slot_mapping[g].device, positions)
+        return self._write_plans[key]
 
     @classmethod
     def build(
@@ -97,6 +103,7 @@ class PagedBatch:
             decode_seqs=torch.tensor(decode, dtype=torch.long, device=device),
             decode_rows=torch.tensor([starts[i] for i in decode], dtype=torch.long, device=device),
             slot_mapping_host=tuple(slot_mapping_host),
+            positions_host=positions,
         )
 
 
@@ -258,7 +265,7 @@ class PagedAttentionBackend:
         packed = self.cache.is_packed(layer_idx)
         if k is not None:
             k_rotated = self._rotary(rope, k)
-            plan = batch.write_plan(g) if packed else None
+            plan = batch.write_plan(g, self.cache.layers[layer_idx].exact_first_block) if packed else None
             self.cache.write(layer_idx, k if read_rope else k_rotated, v, batch.slot_mapping[g], plan)
             k = k_rotated
         if packed and k is not None:

@@ -110,7 +110,7 @@ class KernelAttentionBackend:
             read_rope = rope if lc.keys_before_rope else None  # the kernel rotates each key it reads
             if k is not None:
                 self._store_packed(k if read_rope else k_rotated, v, lc, batch.slot_mapping[g],
-                                   plan=batch.write_plan(g), validate=False)
+                                   plan=batch.write_plan(g, lc.exact_first_block), validate=False)
                 self._new_rows_by_slot[slot] = (k_rotated, v)
             # a layer reading another layer's KV reads its new rows exact too
             k, v = self._new_rows_by_slot.get(slot, (None, None))

@@ -29,6 +29,7 @@ from foundation.errors import KvslimError
 from foundation.kv_dtype_mix import KvDtypeMix
 from runtime.cache.kv_quant import QUANT_DTYPES
 from runtime.cache.low_bit_kv import (
+    EXACT_FIRST_BLOCK_BITS,
     LOW_BIT_KV,
     PARAM_DTYPE,
     bytes_per_token_head,
@@ -79,6 +80,11 @@ class CacheGroup:
     def bits(self) -> int | None:
         """4 or 2 for packed low-bit KV, else None."""
         return LOW_BIT_KV.get(self.kv_dtype)
+
+    @property
+    def exact_first_block(self) -> bool:
+        """Whether each sequence's first block is also kept exact while it runs (``packed_layer``)."""
+        return self.bits in EXACT_FIRST_BLOCK_BITS
 
 
 def sink_block_count(sinks: int, block_size: int) -> int:
@@ -143,9 +149,21 @@ class KVCacheSpec:
 
     def kv_bytes_per_token(self, layout: AttentionLayout, context_len: int) -> float:
         """Average KV bytes per token of a ``context_len``-token sequence, by the layout's formula
-        per group (each group in its own dtype, scales included)."""
+        per group (each group in its own dtype, scales included; an exact first block in bf16)."""
         return sum(layout.kv_bytes_per_token(context_len, self.element_bytes(g), self.scale_bytes(grp), list(grp.layers))
+                   + self.exact_block_bytes(g) / context_len
                    for g, grp in enumerate(self.groups))
+
+    def exact_block_bytes(self, g: int, dtype: torch.dtype = torch.bfloat16) -> int:
+        """Bytes of the exact first block one sequence keeps in group ``g`` (0 unless it keeps one)."""
+        return self.residual_block_bytes(g, dtype) if self.groups[g].exact_first_block else 0
+
+    @property
+    def residual_blocks_per_seq(self) -> int:
+        """Residual blocks one running sequence may hold: its open block, and its exact first block."""
+        if not any(g.bits for g in self.groups):
+            return 0
+        return 2 if any(g.exact_first_block for g in self.groups) else 1
 
     def block_bytes(self, g: int) -> int:
         """Bytes one block of group ``g`` occupies over all its layers (K and V, with scales)."""
@@ -189,7 +207,8 @@ class KVCacheSpec:
         floor = min_blocks or (0,) * len(self.groups)
         budget_bytes -= sum(floor[g] * self.block_bytes(g) for g in groups)
         per_seq = [self.max_blocks_per_seq(g, max_model_len) for g in groups]
-        seq_bytes = sum(n * self.block_bytes(g) for g, n in enumerate(per_seq))
+        # a sequence's exact first blocks live in residual slots, but the budget pays for them too
+        seq_bytes = sum(n * self.block_bytes(g) + self.exact_block_bytes(g) for g, n in enumerate(per_seq))
         num_seqs = max(budget_bytes, 0) / seq_bytes
         return tuple(floor[g] + int(num_seqs * n) for g, n in enumerate(per_seq))
 
@@ -276,7 +295,8 @@ class KVCache:
             raise KvslimError(f"cannot allocate a KV cache of {mib} MiB on {device}: out of memory") from None
         # per group, per slot: the packed layer caches (low-bit groups only)
         self.packed: list[list[PackedLayerCache]] = [
-            [PackedLayerCache({k: t[s] for k, t in self.tensors[g].items()}, grp.bits, residual_dtype)
+            [PackedLayerCache({k: t[s] for k, t in self.tensors[g].items()}, grp.bits, residual_dtype,
+                              grp.exact_first_block)
              for s in range(len(grp.layers))] if grp.bits else []
             for g, grp in enumerate(spec.groups)
         ]

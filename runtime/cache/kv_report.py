@@ -156,7 +156,7 @@ def report_variant(name: str, config: dict, kv_dtype: str, budget_bytes: int, se
     spec = KVCacheSpec.from_layout(layout, kv_dtype, block_size, static_scales=static)
     num_blocks = spec.plan_num_blocks(budget_bytes, seq_len)
     layer_scales = {i: (1.0, 1.0) for i in layout.cache_owners()} if static else None  # values do not matter here
-    residual = 1 if any(g.bits for g in spec.groups) else 0  # counted apart: per running sequence, not per token
+    residual = spec.residual_blocks_per_seq  # allocated apart; the open block is per running sequence, not per token
     cache = KVCache(spec, num_blocks, layer_scales=layer_scales, residual_blocks=residual,
                     residual_dtype=torch.bfloat16)  # real allocation: the bytes below are counted from it
     seqs, per_seq = measure_capacity(spec, num_blocks, seq_len)
@@ -165,10 +165,11 @@ def report_variant(name: str, config: dict, kv_dtype: str, budget_bytes: int, se
     for g, grp in enumerate(spec.groups):
         nbytes = cache.group_nbytes(g) - residual * spec.residual_block_bytes(g, torch.bfloat16)
         slot_bytes = nbytes / (num_blocks[g] * block_size) if num_blocks[g] else 0.0
+        exact = spec.exact_block_bytes(g) / seq_len  # a first block kept exact: per stored sequence
         formula = layout.kv_bytes_per_token(seq_len, spec.element_bytes(g), spec.scale_bytes(grp), list(grp.layers))
         groups.append(GroupReport(grp.kind, grp.window, len(grp.layers), grp.num_kv_heads, grp.kv_dtype,
-                                  num_blocks[g], nbytes, formula, slot_bytes * per_seq[g] * block_size / seq_len,
-                                  grp.sinks))
+                                  num_blocks[g], nbytes, formula + exact,
+                                  slot_bytes * per_seq[g] * block_size / seq_len + exact, grp.sinks))
     del cache
     return VariantReport(
         name=name,

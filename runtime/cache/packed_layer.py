@@ -10,8 +10,13 @@ sequence are written in position order, so offset 0 opens a block and offset ``b
 closes it. Which block holds which slot is kept on the host too (``slot_host``), so opening,
 closing and planning a write read nothing back from the device (on a GPU each such read was a sync
 per open block and layer); the device copy ``slot_of`` is what the kernels read. A write's plan
-(``WritePlan``) depends on its slots alone: the step's batch computes it once per cache group from
-its host copy of the slots (``PagedBatch.write_plan``), for every layer of the group.
+(``WritePlan``) depends on its slots (and positions) alone: the step's batch computes it once per
+cache group from its host copies (``PagedBatch.write_plan``), for every layer of the group.
+
+With ``exact_first_block`` (``low_bit_kv.EXACT_FIRST_BLOCK_BITS``) a sequence's first block, which
+holds its attention sinks, is quantized when it fills like any other but keeps its residual slot
+while a sequence holds it, so every read of it is exact (KVQuant's and IntactKV's sink tokens kept
+in full precision). Its codes serve a later prefix-cache hit on the freed block.
 """
 from __future__ import annotations
 
@@ -37,14 +42,18 @@ class WritePlan:
 
     full: torch.Tensor  # [n] sorted blocks whose last offset the write holds
     src: torch.Tensor  # [n, block_size] int64: the write's row at each offset, -1 for the block's residual row
-    stays: torch.Tensor  # [T] bool: rows of blocks the write leaves open
+    stays: torch.Tensor  # [T] bool: rows kept in residual slots (of blocks left open, or kept exact)
     full_blocks: tuple[int, ...]  # ``full`` as ints (read once, not per layer)
-    open_blocks: tuple[int, ...]  # the blocks of the rows that stay open
+    open_blocks: tuple[int, ...]  # the blocks of the rows that stay
+    closed_blocks: tuple[int, ...]  # the filled blocks that give their residual slots back
 
     @classmethod
-    def of(cls, slots: torch.Tensor, block_size: int, device: torch.device | str | None = None) -> "WritePlan":
+    def of(cls, slots: torch.Tensor, block_size: int, device: torch.device | str | None = None,
+           positions: torch.Tensor | None = None) -> "WritePlan":
         """The plan of a write to ``slots [T]``, computed on the host (``slots`` there: no device
-        read), its tensors on ``device`` (default: the slots')."""
+        read), its tensors on ``device`` (default: the slots'). ``positions [T]`` (host): the rows'
+        sequence positions, given to keep each sequence's first block exact (rows at positions
+        below ``block_size`` stay in their block's residual slot, filled or not)."""
         device = torch.device(device or slots.device)
         bs, host = block_size, slots.cpu()
         blocks, offsets = host // bs, host % bs
@@ -52,25 +61,28 @@ class WritePlan:
         fills = torch.isin(blocks, full)
         src = torch.full((full.numel(), bs), -1, dtype=torch.long, device="cpu")
         src[torch.searchsorted(full, blocks[fills]), offsets[fills]] = fills.nonzero().squeeze(1)
-        stays = ~fills
+        kept = blocks[positions.cpu() < bs].unique() if positions is not None else blocks[:0]
+        stays = ~fills | torch.isin(blocks, kept)
 
         def to_device(t: torch.Tensor) -> torch.Tensor:  # pinned: the copy queues behind the step's work
             return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
         return cls(to_device(full), to_device(src), to_device(stays), tuple(full.tolist()),
-                   tuple(blocks[stays].unique().tolist()))
+                   tuple(blocks[stays].unique().tolist()), tuple(full[~torch.isin(full, kept)].tolist()))
 
 
 class PackedLayerCache:
     """Views of one layer slot's packed tensors plus its residual slots."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], bits: int, residual_dtype: torch.dtype):
+    def __init__(self, tensors: dict[str, torch.Tensor], bits: int, residual_dtype: torch.dtype,
+                 exact_first_block: bool = False):
         self.k_codes, self.v_codes = tensors["k_codes"], tensors["v_codes"]
         self.k_scale, self.k_min = tensors["k_scale"], tensors["k_min"]
         self.v_scale, self.v_min = tensors["v_scale"], tensors["v_min"]
         self.k_residual, self.v_residual = tensors["k_residual"], tensors["v_residual"]
         self.bits = bits
         self.keys_before_rope = bits in KEYS_BEFORE_ROPE_BITS  # the caller stores and reads keys unrotated
+        self.exact_first_block = exact_first_block  # the caller's write plans keep first blocks in their slots
         self.block_size = self.k_codes.shape[1]
         num_blocks, num_slots = self.k_codes.shape[0], self.k_residual.shape[0]
         self.residual_dtype = residual_dtype
@@ -96,7 +108,7 @@ class PackedLayerCache:
         new = [b for b in blocks if self.slot_host[b] < 0]
         if len(new) > len(self._free):
             raise KvslimError(f"all {self.k_residual.shape[0]} full-precision residual blocks are in use "
-                              "(more open blocks than running sequences)")
+                              "(more open and exact first blocks than running sequences hold)")
         if new:
             self._set_slots(new, [self._free.pop() for _ in new])
 
@@ -113,14 +125,15 @@ class PackedLayerCache:
     def apply_write(self, slots: torch.Tensor, quantize: Callable[[WritePlan], None],
                     store: Callable[[torch.Tensor], None], plan: WritePlan | None = None) -> None:
         """The order of every write, whichever code moves the data: ``quantize(plan)`` the blocks it
-        fills, give back the slots they held, give the blocks left open slots, then ``store(stays)``
-        their rows at ``slot_of``. Filled blocks go first, so the slots they free serve the blocks
-        opened now, and a prompt spanning many blocks needs no more slots than the blocks it leaves open.
-        ``plan``: the step's, computed once for the slots (default: computed here)."""
+        fills, give back the slots they held (but a first block kept exact), give the blocks left
+        open slots, then ``store(stays)`` their rows at ``slot_of``. Filled blocks go first, so the
+        slots they free serve the blocks opened now, and a prompt spanning many blocks needs no more
+        slots than the blocks it leaves open (and keeps exact).
+        ``plan``: the step's, computed once for the slots (default: computed here, no block kept exact)."""
         plan = plan or WritePlan.of(slots, self.block_size)
         if plan.full_blocks:
             quantize(plan)
-            self._release(plan.full_blocks)
+            self._release(plan.closed_blocks)
         if plan.open_blocks:
             self._open(plan.open_blocks)
             store(plan.stays)

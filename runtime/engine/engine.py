@@ -156,10 +156,11 @@ class Engine:
         num_blocks, in_flight = self.kv_spec.pool_for(budget, self.max_model_len, config.max_num_batched_tokens)
         if any(n < need for n, need in zip(num_blocks, in_flight)):  # a lone sequence must always fit
             raise KVBudgetTooSmall(self.kv_spec, budget, self.max_model_len, config.max_num_batched_tokens)
-        # Low-bit KV keeps each running sequence's open block exact: one residual block per
-        # sequence that can run, plus one for Engine.score.
+        # Low-bit KV keeps each running sequence's open block (and, at some widths, its first block)
+        # exact: residual blocks for each sequence that can run, plus Engine.score's.
+        residual = (config.max_num_seqs + 1) * self.kv_spec.residual_blocks_per_seq
         self.cache = KVCache(self.kv_spec, num_blocks, self.device, layer_scales=layer_scales if static else None,
-                             residual_blocks=config.max_num_seqs + 1, residual_dtype=model.dtype)
+                             residual_blocks=max(residual, 1), residual_dtype=model.dtype)
         placement = model.placement
         backend = config.attention_backend or default_attention_backend(placement.kernels)
         options = {"use_triton": True} if backend == "triton" and placement.triton_interpreted else {}

@@ -140,8 +140,9 @@ def test_a_short_context_reads_its_blocks_not_a_whole_window():
 
 
 def test_int2_keys_are_quantized_before_rope_and_rotated_on_read():
-    """Two closed blocks hold int2 codes of the keys before RoPE: a decoded token reads them
-    dequantized, then rotated at their positions; its own key exact and rotated."""
+    """Two closed blocks hold int2 codes of the keys before RoPE: a decoded token reads the second
+    dequantized, then rotated at their positions, the first exact (int2 keeps the sequence's first
+    block exact); its own key exact and rotated."""
     layout = AttentionLayout.from_config({**CONFIG, "num_hidden_layers": 1, "layer_types": ["full_attention"],
                                           "kv_source_layers": [0]})
     bs, KVH, D = 4, 2, 8
@@ -159,12 +160,14 @@ def test_int2_keys_are_quantized_before_rope_and_rotated_on_read():
 
     keys = dequantize_keys(*quantize_key_blocks(k[:8].view(2, bs, KVH, D), 2), 2, torch.float32).reshape(8, KVH, D)
     values = dequantize_values(*quantize_value_rows(v[:8], 2), 2, torch.float32)
+    keys[:bs], values[:bs] = k[:bs], v[:bs]  # the first block, exact
     positions = torch.arange(9)
     kk = rope.rotate(torch.cat([keys, k[8:]]), positions)
     ref = reference_attention(q[8:], kk, torch.cat([values, v[8:]]), positions[8:], positions, 0.35)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     after_rope = dequantize_keys(*quantize_key_blocks(rope.rotate(k[:8], positions[:8]).view(2, bs, KVH, D), 2), 2,
                                  torch.float32).reshape(8, KVH, D)
+    after_rope[:bs] = kk[:bs]
     old = reference_attention(q[8:], torch.cat([after_rope, kk[8:]]), torch.cat([values, v[8:]]), positions[8:],
                               positions, 0.35)
     assert not torch.allclose(out, old, atol=1e-3)  # not the layout that quantizes rotated keys

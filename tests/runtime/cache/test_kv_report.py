@@ -43,10 +43,12 @@ def test_formula_equals_counted_and_capacity_fits_budget(name):
     for g in r.groups:
         assert g.counted_bytes_per_token == pytest.approx(g.formula_bytes_per_token)
     # Every admitted sequence fits; one more would not. The planner reserves a decoding
-    # sequence's worst case per sliding group (the window straddling one more block).
+    # sequence's worst case per sliding group (the window straddling one more block), and the
+    # exact first block a low-bit sequence keeps (int2).
     assert r.capacity_seqs * seq_len * r.counted_bytes_per_token <= budget
     spec = KVCacheSpec.from_layout(AttentionLayout.from_config(cfg), kv_dtype, 4)
-    reserved = sum(spec.max_blocks_per_seq(g, seq_len) * spec.block_bytes(g) for g in range(len(spec.groups)))
+    reserved = sum(spec.max_blocks_per_seq(g, seq_len) * spec.block_bytes(g) + spec.exact_block_bytes(g)
+                   for g in range(len(spec.groups)))
     assert (r.capacity_seqs + 1) * reserved > budget * 0.97
 
 
