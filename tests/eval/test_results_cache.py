@@ -46,3 +46,14 @@ def test_checkpoint_hash_follows_content(tmp_path):
     assert h == checkpoint_sha256(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"\1" + b"\0" * 15)
     assert checkpoint_sha256(tmp_path) != h
+
+
+def test_a_low_bit_kv_format_change_is_a_new_cache_key():
+    """int2 KV's stored format changed (its first block kept exact): results cached before are not reused."""
+    from eval.lm_eval_runner import EvalPlan
+
+    def read(kv_cache_dtype: str):
+        return EvalPlan.make(["passkey"], None, None, 8, kv_cache_dtype=kv_cache_dtype).settings().get("kvslim_low_bit_read")
+
+    assert read("bf16") is None and read("int4") == 2
+    assert read("int2") == read("int8/int2") == 3
