@@ -36,7 +36,8 @@ TUNE_SCALES_STEPS = 6  # x 4 windows: the INT4 scales tuned end to end after GPT
 KV_BUDGET = 0.16  # the KV plan's budget: >= 6x fewer KV bytes per token than bf16 (eval/kv_plan.py)
 # The plan's KV dtype: int4, what every full search at this budget chose (dev slice, served: int4 with 54 / 46
 # heads streaming over 512 / 256 +1.68% / +3.10%; int8 with 85 / 73 heads +3.14% / +3.67%; bf16 with 88
-# heads +6.29%; int2 at any window +24% to +26%);
+# heads +6.29%; int2 at any window +24% to +26% with its first block quantized, and int2 with it exact
+# +11.7% over full attention alone);
 # searching bf16 / int8 / int2 too takes the demo's plan stage from ~7 to ~18 minutes.
 PLAN_KV_DTYPES = ("int4",)
 
