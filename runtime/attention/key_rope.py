@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -87,10 +87,12 @@ class KeyRope:
 
 class StepKeyRotary:
     """Rotates one step's new keys exactly as the decoder rotates its queries (cos/sin rounded to
-    the keys' dtype first), computing cos/sin once per step for each rope."""
+    the keys' dtype first), computing cos/sin once per step for each rope. ``rotate``: the
+    rotation, ``apply_rotary`` or a kernel with its numerics (``runtime.kernels.rotary``)."""
 
-    def __init__(self, positions: torch.Tensor):
+    def __init__(self, positions: torch.Tensor, rotate: Callable[..., torch.Tensor] | None = None):
         self.positions = positions  # [T]
+        self.rotate = rotate or apply_rotary
         self._cos_sin: dict[tuple[KeyRope, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, rope: KeyRope | None, k: torch.Tensor) -> torch.Tensor:
@@ -101,4 +103,4 @@ class StepKeyRotary:
         if key not in self._cos_sin:
             cos, sin = rotary_cos_sin(self.positions, rope.inv_freq_on(self.positions.device), rope.scaling, k.dtype)
             self._cos_sin[key] = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        return apply_rotary(k, *self._cos_sin[key])
+        return self.rotate(k, *self._cos_sin[key])

@@ -51,6 +51,11 @@ class KernelAttentionBackend:
         if use_triton is None:
             use_triton = cache.device.type == "cuda"
         self._store, self._attention, self._store_packed, self._attention_packed = _kernels(use_triton)
+        self._rotate_keys = None  # the step's new keys: apply_rotary, or its kernel
+        if use_triton:
+            from runtime.kernels.rotary import rotary
+
+            self._rotate_keys = rotary
         self._launch_bounds: dict = {}
         # int4/int2: each cache slot's new rows this step, for the layers that read that slot's KV
         self._new_rows_by_slot: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -89,7 +94,7 @@ class KernelAttentionBackend:
         self._check_batch(batch)
         self.batch = batch
         self._new_rows_by_slot = {}
-        self._rotary = StepKeyRotary(batch.positions)
+        self._rotary = StepKeyRotary(batch.positions, self._rotate_keys)
         self._launch_bounds = dict(
             max_query_len=max(batch.query_lens, default=0),
             max_context_len=max_context_len if max_context_len is not None else

@@ -27,7 +27,7 @@ SM90 = ("cuda", 90, 32)  # backend, compute capability, warp size
 H100_SHARED_BYTES = 227 * 1024  # opt-in shared memory per block on sm_90
 
 # Scalar arguments that are floats; every other non-pointer, non-constexpr argument is i32.
-FLOAT_ARGS = {"sm_scale", "softcap", "rope_scaling"}
+FLOAT_ARGS = {"sm_scale", "softcap", "rope_scaling", "eps", "offset"}
 
 
 @dataclass(frozen=True)
@@ -186,10 +186,29 @@ def _sink_variants() -> list[KernelVariant]:
             for v in _attention_variants() + _packed_variants() if v.name in windowed]
 
 
+def _small_op_variants() -> list[KernelVariant]:
+    """The fused small ops of a decode step: residual add + RMSNorm, rotary, gated activation."""
+    norm = "runtime.kernels.add_rms_norm"
+    out = [KernelVariant(f"add_rms_norm bf16{' + residual' if residual else ''}{' offset' if offset else ''}",
+                         "add_rms_norm_kernel", norm,
+                         {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*fp32" if offset else "*bf16",
+                          "sum_ptr": "*bf16", "out_ptr": "*bf16"},
+                         dict(HAS_RESIDUAL=residual, HAS_OFFSET=offset, BLOCK=1024), residual and not offset)
+           for residual in (True, False) for offset in (False, True)]
+    out.append(KernelVariant("rotary bf16 d64", "rotary_kernel", "runtime.kernels.rotary",
+                             {"x_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16"},
+                             dict(BLOCK_H=16, BLOCK_D=64), True))
+    out += [KernelVariant(f"gated {name} bf16", "gated_activation_kernel", "runtime.kernels.gated_activation",
+                          {"gate_ptr": "*bf16", "up_ptr": "*bf16", "out_ptr": "*bf16"},
+                          dict(ACT=act, BLOCK_=1024, GELU_C_=0.7978845608028654), act == 0)
+            for name, act in (("silu", 0), ("gelu_tanh", 1))]
+    return out
+
+
 def variants() -> list[KernelVariant]:
     """Every kernel specialisation the wrappers launch, by family."""
     return (_int_variants() + _mid_variants() + _fp8_variants() + _attention_variants() + _store_variants()
-            + _packed_variants() + _sink_variants())
+            + _packed_variants() + _sink_variants() + _small_op_variants())
 
 
 def kernel_names() -> dict[str, set[str]]:

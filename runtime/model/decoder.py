@@ -27,6 +27,7 @@ from runtime.model.layers.attention import Attention
 from runtime.model.layers.cpu_kernels import CpuKernelChoice
 from runtime.model.layers.mlp import GatedMLP
 from runtime.model.layers.norm import RMSNorm
+from runtime.model.layers.small_ops import SmallOps
 from runtime.model.layers.rotary import RotaryEmbedding
 from runtime.model.spec import ModelSpec
 
@@ -44,8 +45,9 @@ class WeightSource(Protocol):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, i: int, w: WeightSource, dtype: torch.dtype) -> None:
+    def __init__(self, spec: ModelSpec, i: int, w: WeightSource, dtype: torch.dtype, ops: SmallOps = SmallOps()) -> None:
         super().__init__()
+        self.ops = ops
         p = f"model.layers.{i}."
         la = spec.attention.layers[i]
 
@@ -64,11 +66,13 @@ class DecoderLayer(nn.Module):
             q_norm=norm("self_attn.q_norm", spec.head_dim) if spec.qk_norm else None,
             k_norm=norm("self_attn.k_norm", spec.head_dim) if spec.qk_norm and spec.owns_kv(i) else None,
             parts=spec.attention.entry_parts[i],
+            ops=ops,
         )
         self.mlp = GatedMLP(
             w.linears([linears["gate_proj"].module, linears["up_proj"].module], spec.mlp_bias),
             w.linear(linears["down_proj"].module, spec.mlp_bias),
             spec.hidden_act,
+            ops,
         )
         self.input_layernorm = norm("input_layernorm", spec.hidden_size)
         self.post_attention_layernorm = norm("post_attention_layernorm", spec.hidden_size)
@@ -77,13 +81,18 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = norm("pre_feedforward_layernorm", spec.hidden_size)
             self.post_feedforward_layernorm = norm("post_feedforward_layernorm", spec.hidden_size)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(h), cos, sin, backend)
+    def forward(self, h: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h``: the residual stream before ``pending``, the previous layer's output still to be
+        added (None at the first layer); returns this layer's ``(h, pending)``. Each add is fused
+        with the norm after it (``SmallOps.add_norm``)."""
+        h, x = self.ops.add_norm(h, pending, self.input_layernorm)
+        attn = self.self_attn(x, cos, sin, backend)
         if self.sandwich:
-            h = h + self.post_attention_layernorm(attn)
-            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
-        h = h + attn
-        return h + self.mlp(self.post_attention_layernorm(h))
+            h, x = self.ops.add_norm(h, self.ops.norm(attn, self.post_attention_layernorm), self.pre_feedforward_layernorm)
+            return h, self.ops.norm(self.mlp(x), self.post_feedforward_layernorm)
+        h, x = self.ops.add_norm(h, attn, self.post_attention_layernorm)
+        return h, self.mlp(x)
 
 
 class Decoder(nn.Module):
@@ -108,7 +117,8 @@ class Decoder(nn.Module):
         ropes = sorted(set(spec.rope), key=spec.rope.index)
         self.rotary = nn.ModuleList(RotaryEmbedding(r, spec.head_dim, spec.max_position_embeddings) for r in ropes)
         self.rope_of_layer = [ropes.index(r) for r in spec.rope]
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, weights, dtype) for i in range(spec.num_layers))
+        self.ops = SmallOps(fused=placement.kernels == "triton")
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, weights, dtype, self.ops) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_offset)
         final = weights.tensor("model.norm.weight")
         self.norm.weight.data = final.float() if spec.norm_offset else final.to(dtype)
@@ -124,10 +134,11 @@ class Decoder(nn.Module):
         if self.embed_scale is not None:
             h = h * self.embed_scale
         cos_sin = [r(positions, self.dtype) for r in self.rotary]
+        pending = None
         for i, layer in enumerate(self.layers):
             cos, sin = cos_sin[self.rope_of_layer[i]]
-            h = layer(h, cos, sin, backend)
-        return self.norm(h)
+            h, pending = layer(h, pending, cos, sin, backend)
+        return self.ops.add_norm(h, pending, self.norm)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[N, hidden]`` -> fp32 logits ``[N, vocab]`` (Gemma's final softcap applied)."""

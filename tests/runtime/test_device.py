@@ -74,14 +74,15 @@ def _engine(path, kv_dtype: str, placement: Placement) -> Engine:
 @pytest.mark.parametrize("scheme,kv_dtype", [("W4A16", "fp32"), ("W8A16", "int8"), ("FP8_W8A16", "int4"),
                                              ("W4A16", "int8")])
 def test_triton_kernels_serve_the_torch_paths_tokens(quantized, scheme, kv_dtype):
-    """Every Linear of the scheme and every KV store and attention call runs a Triton kernel
-    (interpreted); greedy tokens and logprobs equal the torch path's. (FP8 KV is left out: the
+    """Every Linear of the scheme, every KV store and attention call, and the fused small ops run a
+    Triton kernel (interpreted); greedy tokens and logprobs equal the torch path's. (FP8 KV is left out: the
     interpreter's fp32 -> fp8 casts are wrong; compiled for sm_90 in CI instead.)"""
     ours = _engine(quantized[scheme], kv_dtype, Placement.resolve("cpu", "triton"))
     theirs = _engine(quantized[scheme], kv_dtype, CPU)
     kernel_linears = [m for m in ours.model.modules() if isinstance(m, KernelLinear)]
     assert kernel_linears and all(m.use_triton for m in kernel_linears)
     assert not any(isinstance(m, KernelLinear) for m in theirs.model.modules())
+    assert ours.model.ops.fused and not theirs.model.ops.fused  # residual adds + norms, gated activations
     assert isinstance(ours.backend, KernelAttentionBackend) and ours.backend._attention.__module__.endswith(
         "paged_attention")
     params = SamplingParams(max_tokens=5, temperature=0, logprobs=2, ignore_eos=True)

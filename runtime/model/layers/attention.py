@@ -8,7 +8,7 @@ from torch import nn
 
 from foundation.attention_layout import EntryPart
 from runtime.attention.backend import AttentionBackend
-from runtime.attention.key_rope import apply_rotary
+from runtime.model.layers.small_ops import SmallOps
 
 
 class Attention(nn.Module):
@@ -28,6 +28,7 @@ class Attention(nn.Module):
         q_norm: nn.Module | None = None,
         k_norm: nn.Module | None = None,
         parts: tuple[EntryPart, ...] | None = None,
+        ops: SmallOps = SmallOps(),
     ) -> None:
         """``parts``: the attention entries the layer's KV heads split into (full heads, then
         streaming heads: ``AttentionLayout.entry_parts``); default one entry, ``layer_idx``."""
@@ -36,6 +37,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.qkv_proj, self.o_proj = qkv_proj, o_proj
         self.q_norm, self.k_norm = q_norm, k_norm
+        self.ops = ops
         self.parts = parts or (EntryPart(layer_idx, tuple(range(num_kv_heads))),)
         rep = num_heads // num_kv_heads
         # per part: its KV heads and query heads, as slices when contiguous, else index tensors
@@ -69,7 +71,7 @@ class Attention(nn.Module):
         q = proj[0].view(t, self.num_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
-        q = apply_rotary(q, cos, sin)
+        q = self.ops.rotary(q, cos, sin)
         k = v = None
         if len(proj) == 3:
             k = proj[1].view(t, self.num_kv_heads, self.head_dim)

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.model.layers.small_ops import SmallOps
+
 
 def activation(name: str):
     """The activation function for an HF ``hidden_act`` name (``ModelSpec`` validated it)."""
@@ -19,12 +21,13 @@ class GatedMLP(nn.Module):
     """``gate_up_proj(x)`` returns ``(gate, up)``: one fused GEMM or two Linears
     (``runtime.model.layers.fused_linear``)."""
 
-    def __init__(self, gate_up_proj: nn.Module, down_proj: nn.Module, act: str) -> None:
+    def __init__(self, gate_up_proj: nn.Module, down_proj: nn.Module, act: str, ops: SmallOps = SmallOps()) -> None:
         super().__init__()
         self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
         self.act_name = act
         self.act = activation(act)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.ops.gated(gate, up, self.act_name, self.act))

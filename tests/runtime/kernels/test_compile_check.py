@@ -8,12 +8,15 @@ import sys
 from pathlib import Path
 
 from runtime.kernels import (
+    add_rms_norm,
     compile_check,
     dequant_matmul,
+    gated_activation,
     kv_store,
     packed_kv_store,
     packed_paged_attention,
     paged_attention,
+    rotary,
 )
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -27,7 +30,8 @@ def launched_kernels(module) -> set[str]:
 
 def test_variants_cover_every_launched_kernel():
     covered = compile_check.kernel_names()
-    for module in (dequant_matmul, paged_attention, kv_store, packed_kv_store, packed_paged_attention):
+    for module in (dequant_matmul, paged_attention, kv_store, packed_kv_store, packed_paged_attention,
+                   add_rms_norm, rotary, gated_activation):
         assert launched_kernels(module), module.__name__
         assert launched_kernels(module) <= covered.get(module.__name__, set()), module.__name__
 
