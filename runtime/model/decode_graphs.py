@@ -17,6 +17,9 @@ first use (~30-35 s for the default model on 2 cores), or all of them at once by
 """
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 from torch import nn
 
@@ -24,22 +27,18 @@ from foundation.errors import KvslimError
 from runtime.attention.backend import AttentionBackend
 
 
-class _StepState:
-    """What the opaque attention op reads: the step's real backend and its real row count. One
-    compiled step at a time per process (the server steps its engine from one thread); two engines
-    stepping compiled in two threads at once would read each other's."""
-
-    backend: AttentionBackend | None = None
-    rows: int = 0
-
-
-_STEP = _StepState()
+# Each DecodeGraphs by its handle, the one value its compiled graphs carry to the opaque op (an op
+# takes tensors and scalars, not a backend): the op asks that instance for the step it is running.
+_GRAPHS: "weakref.WeakValueDictionary[int, DecodeGraphs]" = weakref.WeakValueDictionary()
+_HANDLES = itertools.count()
 
 
 @torch.library.custom_op("kvslim::attend", mutates_args=())
-def _attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_idx: int) -> torch.Tensor:
-    backend, n = _STEP.backend, _STEP.rows
-    assert backend is not None, "kvslim::attend outside DecodeGraphs.run"
+def _attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_idx: int,
+            graphs: int) -> torch.Tensor:
+    owner = _GRAPHS.get(graphs)
+    assert owner is not None and owner.step is not None, "kvslim::attend outside DecodeGraphs.run"
+    backend, n = owner.step
     out = backend.attend(layer_idx, q[:n], None if k is None else k[:n], None if v is None else v[:n])
     if n == q.shape[0]:
         return out.contiguous()
@@ -49,7 +48,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, lay
 
 
 @_attend.register_fake
-def _(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_idx: int) -> torch.Tensor:
+def _(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_idx: int, graphs: int) -> torch.Tensor:
     return torch.empty_like(q)
 
 
@@ -61,10 +60,14 @@ class _NullAttention:
 
 
 class _OpaqueAttention:
-    """The backend the compiled decoder sees: every ``attend`` is one ``kvslim::attend`` call."""
+    """The backend the compiled decoder sees: every ``attend`` is one ``kvslim::attend`` call for
+    the ``DecodeGraphs`` of handle ``graphs``."""
+
+    def __init__(self, graphs: int) -> None:
+        self.graphs = graphs
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.kvslim.attend(q, k, v, layer_idx)
+        return torch.ops.kvslim.attend(q, k, v, layer_idx, self.graphs)
 
 
 def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -91,7 +94,10 @@ class DecodeGraphs:
         self.cpp_wrapper = True
         self._compiled = torch.compile(model.forward, dynamic=False, fullgraph=True)
         self._ready: set[int] = set()  # buckets compiled
-        self._opaque = _OpaqueAttention()
+        handle = next(_HANDLES)
+        _GRAPHS[handle] = self
+        self._opaque = _OpaqueAttention(handle)
+        self.step: tuple[AttentionBackend, int] | None = None  # while a step runs: its backend and real rows
         # Every bucket is one more entry in Decoder.forward's compile cache (and so is every other
         # engine's model in this process): past torch's default of 8, fullgraph would refuse.
         self._limits = torch._dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16)
@@ -134,7 +140,7 @@ class DecodeGraphs:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
                  rows: int) -> torch.Tensor:
         b = input_ids.shape[0]
-        _STEP.backend, _STEP.rows = backend, rows
+        self.step = (backend, rows)
         try:
             if b in self._ready:
                 with self._limits:
@@ -154,4 +160,4 @@ class DecodeGraphs:
             self._ready.add(b)
             return hidden
         finally:
-            _STEP.backend = None
+            self.step = None

@@ -164,3 +164,29 @@ def test_a_failed_compile_is_one_line(tiny_llama, monkeypatch):
                                           r"compiler found\); serve without --compile-decode$"):
         graphs.compile(1)
     assert graphs.compiled_buckets == ()
+
+
+class _Recording:
+    """A backend that says which one answered."""
+
+    def __init__(self, value: float):
+        self.value = value
+
+    def attend(self, layer_idx, q, k, v):
+        return torch.full_like(q, self.value)
+
+
+def test_each_decode_graphs_owns_its_step(tiny_llama):
+    """No process-wide step state: the opaque attention op asks the DecodeGraphs whose handle its
+    graph carries for the backend and rows of the step that instance runs."""
+    model = load_model(tiny_llama, "float32")
+    first, second = DecodeGraphs(model, 4), DecodeGraphs(model, 4)
+    assert first._opaque.graphs != second._opaque.graphs
+    q = torch.zeros(4, 2, 8)
+    first.step, second.step = (_Recording(1.0), 3), (_Recording(2.0), 4)
+    out = first._opaque.attend(0, q, None, None)
+    assert out[:3].eq(1.0).all() and out[3].eq(0.0).all()  # padded rows: zeros
+    assert second._opaque.attend(0, q, None, None).eq(2.0).all()
+    first.step = None
+    with pytest.raises(AssertionError, match="outside DecodeGraphs.run"):
+        first._opaque.attend(0, q, None, None)
