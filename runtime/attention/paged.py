@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from runtime.attention.backend import AttentionParams
 from runtime.attention.key_rope import KeyRope, StepKeyRotary
 from runtime.cache.kv_cache import RELEASED, KVCache, sink_block_count
-from runtime.cache.packed_layer import WritePlan
+from runtime.cache.write_plan import WritePlan
 
 
 @dataclass(frozen=True)
@@ -235,6 +235,7 @@ class PagedAttentionBackend:
         self.cache = cache
         self.params = tuple(params)
         self.batch: PagedBatch | None = None
+        self._write_plans: dict[int, WritePlan] = {}  # the step's packed writes, by cache group
         self._plans: dict[tuple[int, int | None, int, torch.dtype, bool], _ReadPlan] = {}
         # int4/int2: each cache slot's new rows this step, for the layers that read that slot's KV
         self._new_rows_by_slot: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -243,6 +244,7 @@ class PagedAttentionBackend:
     def set_batch(self, batch: PagedBatch) -> None:
         self.batch = batch
         self._plans = {}
+        self._write_plans = self.cache.plan_packed_writes(batch.write_plan)  # int4/int2 groups: once per step
         self._new_rows_by_slot = {}
         self._rotary = StepKeyRotary(batch.positions)
 
@@ -265,7 +267,7 @@ class PagedAttentionBackend:
         packed = self.cache.is_packed(layer_idx)
         if k is not None:
             k_rotated = self._rotary(rope, k)
-            plan = batch.write_plan(g, self.cache.layers[layer_idx].exact_first_block) if packed else None
+            plan = self._write_plans[g] if packed else None
             self.cache.write(layer_idx, k if read_rope else k_rotated, v, batch.slot_mapping[g], plan)
             k = k_rotated
         if packed and k is not None:

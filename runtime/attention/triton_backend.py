@@ -22,6 +22,7 @@ from runtime.attention.key_rope import StepKeyRotary
 from runtime.attention.paged import PagedBatch
 from runtime.cache.kv_cache import KVCache
 from runtime.cache.packed_layer import PackedLayerCache
+from runtime.cache.write_plan import WritePlan
 
 
 def _kernels(use_triton: bool) -> tuple:
@@ -56,6 +57,7 @@ class KernelAttentionBackend:
             from runtime.kernels.rotary import rotary
 
             self._rotate_keys = rotary
+        self._write_plans: dict[int, WritePlan] = {}  # the step's packed writes, by cache group
         self._launch_bounds: dict = {}
         # int4/int2: each cache slot's new rows this step, for the layers that read that slot's KV
         self._new_rows_by_slot: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -93,6 +95,7 @@ class KernelAttentionBackend:
         CUDA graph's fixed launch shape; each program still reads only its sequence's keys)."""
         self._check_batch(batch)
         self.batch = batch
+        self._write_plans = self.cache.plan_packed_writes(batch.write_plan)  # int4/int2 groups: once per step
         self._new_rows_by_slot = {}
         self._rotary = StepKeyRotary(batch.positions, self._rotate_keys)
         self._launch_bounds = dict(
@@ -115,7 +118,7 @@ class KernelAttentionBackend:
             read_rope = rope if lc.keys_before_rope else None  # the kernel rotates each key it reads
             if k is not None:
                 self._store_packed(k if read_rope else k_rotated, v, lc, batch.slot_mapping[g],
-                                   plan=batch.write_plan(g, lc.exact_first_block), validate=False)
+                                   plan=self._write_plans[g], validate=False)
                 self._new_rows_by_slot[slot] = (k_rotated, v)
             # a layer reading another layer's KV reads its new rows exact too
             k, v = self._new_rows_by_slot.get(slot, (None, None))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
@@ -35,7 +35,9 @@ from runtime.cache.low_bit_kv import (
     bytes_per_token_head,
     packed_dim,
 )
-from runtime.cache.packed_layer import PackedLayerCache, WritePlan
+from runtime.cache.packed_layer import PackedLayerCache
+from runtime.cache.residual_slots import ResidualSlots
+from runtime.cache.write_plan import WritePlan
 from runtime.cache.paged_rows import gather_blocks, store_rows
 
 KV_DTYPES: dict[str, torch.dtype] = {
@@ -83,8 +85,10 @@ class CacheGroup:
 
     @property
     def exact_first_block(self) -> bool:
-        """Whether each sequence's first block is also kept exact while it runs (``packed_layer``)."""
-        return self.bits in EXACT_FIRST_BLOCK_BITS
+        """Whether each sequence's first block is also kept exact while it runs (``packed_layer``):
+        full attention only, where a bf16 block is a small share of the context; a windowed group
+        holds only its sinks' block and its window, which the bf16 block would outweigh."""
+        return self.bits in EXACT_FIRST_BLOCK_BITS and self.kind == "full"
 
 
 def sink_block_count(sinks: int, block_size: int) -> int:
@@ -293,10 +297,14 @@ class KVCache:
             if "allocate" not in str(e):
                 raise
             raise KvslimError(f"cannot allocate a KV cache of {mib} MiB on {device}: out of memory") from None
-        # per group, per slot: the packed layer caches (low-bit groups only)
+        # per low-bit group: one residual slot table for its layers; per group, per slot: the packed layer caches
+        self.residual_slots: list[ResidualSlots | None] = [
+            ResidualSlots(n, residual_blocks, self.device) if grp.bits else None
+            for grp, n in zip(spec.groups, self.num_blocks)
+        ]
         self.packed: list[list[PackedLayerCache]] = [
             [PackedLayerCache({k: t[s] for k, t in self.tensors[g].items()}, grp.bits, residual_dtype,
-                              grp.exact_first_block)
+                              grp.exact_first_block, self.residual_slots[g])
              for s in range(len(grp.layers))] if grp.bits else []
             for g, grp in enumerate(spec.groups)
         ]
@@ -351,9 +359,15 @@ class KVCache:
 
     def release_block(self, g: int, block: int) -> None:
         """The block manager freed ``block`` of group ``g``: an open low-bit block gives back its
-        residual slots."""
-        for layer_cache in self.packed[g]:
-            layer_cache.release(block)
+        residual slot (the group's, for all its layers)."""
+        if self.residual_slots[g] is not None:
+            self.residual_slots[g].release((block,))
+
+    def plan_packed_writes(self, write_plan: Callable[[int, bool], WritePlan]) -> dict[int, WritePlan]:
+        """One step's packed writes, once per low-bit group: ``write_plan(g, exact_first_block)``
+        (the batch's) with its slots applied to the group's table, for every layer of the group."""
+        return {g: slots.apply(write_plan(g, self.spec.groups[g].exact_first_block))
+                for g, slots in enumerate(self.residual_slots) if slots is not None}
 
     def is_packed(self, layer: int) -> bool:
         """Whether ``layer``'s cache is int4/int2 (packed, quantized a block at a time)."""

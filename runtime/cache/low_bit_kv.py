@@ -23,8 +23,9 @@ MIN_SCALE = 1e-6  # an all-equal channel or token gets a tiny scale, never a div
 # Bit widths whose keys are stored before RoPE. Measured on the dev slice (wikipedia:calib, context
 # 2,048): int2 +35% -> +22% perplexity; int4 +0.21% -> +0.17%, less than a rotation per read costs.
 KEYS_BEFORE_ROPE_BITS = frozenset({2})
-# Bit widths whose sequences keep their first block (the attention sinks) exact while they run
-# (``packed_layer``): a bf16 block per sequence and layer, counted in bytes per token. Measured
+# Bit widths whose sequences keep their first block (the attention sinks) exact while they run, in
+# full-attention groups (``packed_layer``): a bf16 block per sequence and layer, counted in bytes
+# per token. Measured
 # served on the dev slice (wikipedia:calib [32768, 36864), context 2,048): int2 +21.9% -> +11.7%.
 EXACT_FIRST_BLOCK_BITS = frozenset({2})
 

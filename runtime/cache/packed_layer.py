@@ -5,25 +5,24 @@ block is full. Until then its rows live in a *residual* slot in the activation d
 full-precision window, which paging gives for free: at most one open block per sequence). The
 block whose last offset is written is quantized from its residual rows and the rows written now,
 and its slot given back; a block filled within one write never takes a slot. A block freed
-while open gives its slot back through ``release`` (the block manager's free hook). Tokens of a
-sequence are written in position order, so offset 0 opens a block and offset ``block_size - 1``
-closes it. Which block holds which slot is kept on the host too (``slot_host``), so opening,
-closing and planning a write read nothing back from the device (on a GPU each such read was a sync
-per open block and layer); the device copy ``slot_of`` is what the kernels read. A write's plan
-(``WritePlan``) depends on its slots (and positions) alone: the step's batch computes it once per
-cache group from its host copies (``PagedBatch.write_plan``), for every layer of the group.
+while open gives its slot back (the block manager's free hook). Tokens of a sequence are written
+in position order, so offset 0 opens a block and offset ``block_size - 1`` closes it.
 
-With ``exact_first_block`` (``low_bit_kv.EXACT_FIRST_BLOCK_BITS``) a sequence's first block, which
+Which block holds which slot is the cache group's (``ResidualSlots``: one table for all its layers,
+on the device for the kernels and mirrored on the host, updated once per step); a layer holds its
+own residual rows at those slots. A step's write is planned once per group (``WritePlan``: which
+blocks fill, where their rows come from, which rows stay, and the slots the filled blocks held),
+then every layer of the group moves its data by that plan: no bookkeeping per layer.
+
+With ``exact_first_block`` (``CacheGroup.exact_first_block``) a sequence's first block, which
 holds its attention sinks, is quantized when it fills like any other but keeps its residual slot
 while a sequence holds it, so every read of it is exact (KVQuant's and IntactKV's sink tokens kept
 in full precision). Its codes serve a later prefix-cache hit on the freed block.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import torch
 
 from foundation.errors import KvslimError
@@ -34,48 +33,16 @@ from runtime.cache.low_bit_kv import (
     quantize_key_blocks,
     quantize_value_rows,
 )
-
-
-@dataclass(frozen=True)
-class WritePlan:
-    """How one write moves: the blocks it fills, where their rows come from, the rows left open."""
-
-    full: torch.Tensor  # [n] sorted blocks whose last offset the write holds
-    src: torch.Tensor  # [n, block_size] int64: the write's row at each offset, -1 for the block's residual row
-    stays: torch.Tensor  # [T] bool: rows kept in residual slots (of blocks left open, or kept exact)
-    full_blocks: tuple[int, ...]  # ``full`` as ints (read once, not per layer)
-    open_blocks: tuple[int, ...]  # the blocks of the rows that stay
-    closed_blocks: tuple[int, ...]  # the filled blocks that give their residual slots back
-
-    @classmethod
-    def of(cls, slots: torch.Tensor, block_size: int, device: torch.device | str | None = None,
-           positions: torch.Tensor | None = None) -> "WritePlan":
-        """The plan of a write to ``slots [T]``, computed on the host (``slots`` there: no device
-        read), its tensors on ``device`` (default: the slots'). ``positions [T]`` (host): the rows'
-        sequence positions, given to keep each sequence's first block exact (rows at positions
-        below ``block_size`` stay in their block's residual slot, filled or not)."""
-        device = torch.device(device or slots.device)
-        bs, host = block_size, slots.cpu()
-        blocks, offsets = host // bs, host % bs
-        full = blocks[offsets == bs - 1].unique()  # sorted
-        fills = torch.isin(blocks, full)
-        src = torch.full((full.numel(), bs), -1, dtype=torch.long, device="cpu")
-        src[torch.searchsorted(full, blocks[fills]), offsets[fills]] = fills.nonzero().squeeze(1)
-        kept = blocks[positions.cpu() < bs].unique() if positions is not None else blocks[:0]
-        stays = ~fills | torch.isin(blocks, kept)
-
-        def to_device(t: torch.Tensor) -> torch.Tensor:  # pinned: the copy queues behind the step's work
-            return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
-
-        return cls(to_device(full), to_device(src), to_device(stays), tuple(full.tolist()),
-                   tuple(blocks[stays].unique().tolist()), tuple(full[~torch.isin(full, kept)].tolist()))
+from runtime.cache.residual_slots import ResidualSlots
+from runtime.cache.write_plan import WritePlan
 
 
 class PackedLayerCache:
-    """Views of one layer slot's packed tensors plus its residual slots."""
+    """Views of one layer slot's packed tensors and residual rows, over its group's slot table."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], bits: int, residual_dtype: torch.dtype,
-                 exact_first_block: bool = False):
+                 exact_first_block: bool = False, slots: ResidualSlots | None = None):
+        """``slots``: the group's slot table (default: a table of this layer's own, for a group of one)."""
         self.k_codes, self.v_codes = tensors["k_codes"], tensors["v_codes"]
         self.k_scale, self.k_min = tensors["k_scale"], tensors["k_min"]
         self.v_scale, self.v_min = tensors["v_scale"], tensors["v_min"]
@@ -84,58 +51,41 @@ class PackedLayerCache:
         self.keys_before_rope = bits in KEYS_BEFORE_ROPE_BITS  # the caller stores and reads keys unrotated
         self.exact_first_block = exact_first_block  # the caller's write plans keep first blocks in their slots
         self.block_size = self.k_codes.shape[1]
-        num_blocks, num_slots = self.k_codes.shape[0], self.k_residual.shape[0]
         self.residual_dtype = residual_dtype
-        self.slot_of = torch.full((num_blocks,), -1, dtype=torch.long, device=self.k_codes.device)
-        self.slot_host = np.full(num_blocks, -1, dtype=np.int64)  # the same, read without a device sync
-        self._free = list(range(num_slots - 1, -1, -1))
+        self.slots = slots or ResidualSlots(self.k_codes.shape[0], self.k_residual.shape[0], self.k_codes.device)
+        if self.slots.num_slots != self.k_residual.shape[0]:
+            raise KvslimError(f"a slot table of {self.slots.num_slots} slots over {self.k_residual.shape[0]} residual blocks")
+
+    @property
+    def slot_of(self) -> torch.Tensor:
+        """``[num_blocks]`` int64 on the device: each block's residual slot, -1 where it has none."""
+        return self.slots.slot_of
+
+    @property
+    def slot_host(self):
+        return self.slots.slot_host
 
     @property
     def open_blocks(self) -> int:
-        return int((self.slot_host >= 0).sum())
-
-    def _set_slots(self, blocks: list[int], slots: list[int]) -> None:
-        """Record ``blocks`` holding ``slots`` on the host and (one copy, no read back) on the device."""
-        self.slot_host[blocks] = slots
-        pairs = torch.tensor([blocks, slots], dtype=torch.long, device="cpu")
-        if self.slot_of.is_cuda:  # pinned, so the copy queues behind the step's work instead of waiting for it
-            pairs = pairs.pin_memory().to(self.slot_of.device, non_blocking=True)
-        self.slot_of[pairs[0]] = pairs[1]
-
-    def _open(self, blocks: tuple[int, ...]) -> None:
-        """Give each of ``blocks`` a residual slot unless it holds one (a block reopened at offset 0
-        reuses its own)."""
-        new = [b for b in blocks if self.slot_host[b] < 0]
-        if len(new) > len(self._free):
-            raise KvslimError(f"all {self.k_residual.shape[0]} full-precision residual blocks are in use "
-                              "(more open and exact first blocks than running sequences hold)")
-        if new:
-            self._set_slots(new, [self._free.pop() for _ in new])
+        return self.slots.open_blocks
 
     def release(self, block: int) -> None:
         """Give back ``block``'s residual slot, if it holds one (the block was freed while open)."""
-        self._release((block,))
-
-    def _release(self, blocks: tuple[int, ...]) -> None:
-        held = [b for b in blocks if self.slot_host[b] >= 0]
-        if held:
-            self._free.extend(int(self.slot_host[b]) for b in held)
-            self._set_slots(held, [-1] * len(held))
+        self.slots.release((block,))
 
     def apply_write(self, slots: torch.Tensor, quantize: Callable[[WritePlan], None],
                     store: Callable[[torch.Tensor], None], plan: WritePlan | None = None) -> None:
         """The order of every write, whichever code moves the data: ``quantize(plan)`` the blocks it
-        fills, give back the slots they held (but a first block kept exact), give the blocks left
-        open slots, then ``store(stays)`` their rows at ``slot_of``. Filled blocks go first, so the
-        slots they free serve the blocks opened now, and a prompt spanning many blocks needs no more
-        slots than the blocks it leaves open (and keeps exact).
-        ``plan``: the step's, computed once for the slots (default: computed here, no block kept exact)."""
-        plan = plan or WritePlan.of(slots, self.block_size)
+        fills (from ``plan.full_slots``), then ``store(stays)`` the rows that stay at ``slot_of``.
+        ``plan``: the step's, its slots already applied to the group's table (``ResidualSlots.apply``);
+        default: planned and applied here, for a write to a group of this one layer."""
+        if plan is None:
+            plan = self.slots.apply(WritePlan.of(slots, self.block_size))
+        elif plan.full_slots is None:
+            raise KvslimError("a packed write's plan must have its slots applied (ResidualSlots.apply) first")
         if plan.full_blocks:
             quantize(plan)
-            self._release(plan.closed_blocks)
         if plan.open_blocks:
-            self._open(plan.open_blocks)
             store(plan.stays)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, plan: WritePlan | None = None) -> None:
@@ -158,12 +108,11 @@ class PackedLayerCache:
 
     def _filled_rows(self, plan: WritePlan, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Rows ``[n_full, block_size, kvh, D]`` of the filled blocks in the residual dtype: this
-        write's rows ``x`` where ``plan.src >= 0``, else the block's residual row (0 if it holds none)."""
+        write's rows ``x`` where ``plan.src >= 0``, else the block's residual row (0 if it held none)."""
         rows = torch.zeros((plan.full.numel(), *residual.shape[1:]), dtype=residual.dtype, device=residual.device)
-        if (self.slot_host[list(plan.full_blocks)] >= 0).any():  # some filled block had rows in a residual slot
-            slot = self.slot_of[plan.full]
-            held = slot >= 0
-            rows[held] = residual[slot[held]]
+        if plan.refills:
+            held = plan.full_slots >= 0
+            rows[held] = residual[plan.full_slots[held]]
         new = plan.src >= 0
         rows[new] = x[plan.src[new]].to(residual.dtype)
         return rows

@@ -1,11 +1,13 @@
 """Write new K/V into a packed int4/int2 layer (``runtime.cache.packed_layer``) with Triton.
 
-``PackedLayerCache.apply_write`` keeps the bookkeeping and its order, as for the torch path: the
-blocks a write fills are quantized first, straight from their rows, and give back the slots they
-held; only then do the blocks it leaves open take slots. The data moves on the device:
+The bookkeeping is the group's, done once per step before any layer writes (``ResidualSlots.apply``:
+the slots the filled blocks held are recorded in the plan and given back, then the blocks left
+open take slots); ``PackedLayerCache.apply_write`` keeps the order of the data, as for the torch
+path. The data moves on the device:
 
 - ``quantize_blocks_kernel``: every filled block, each row read from the new K/V (``plan.src``
-  names the row) or from the block's residual slot, cast to the residual dtype, and quantized as
+  names the row) or from the residual slot the block held (``plan.full_slots``), cast to the
+  residual dtype, and quantized as
   ``low_bit_kv._quantize``: keys per channel over the block's tokens, values per token and head;
   ``scale = fp16(max((hi - lo) / levels, 1e-6))``, ``minimum = fp16(lo)``, and codes
   ``round_half_even((x - minimum) / scale)`` clamped to ``[0, levels]`` from those fp16
@@ -23,7 +25,8 @@ import triton.language as tl
 
 from foundation.errors import KvslimError
 from runtime.cache.low_bit_kv import MIN_SCALE, PARAM_DTYPE, packed_dim
-from runtime.cache.packed_layer import PackedLayerCache, WritePlan
+from runtime.cache.packed_layer import PackedLayerCache
+from runtime.cache.write_plan import WritePlan
 from runtime.kernels.kv_store import _round_half_even, _store_one
 
 RESIDUAL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -79,7 +82,7 @@ def _rows(x_ptr, residual_ptr, new_rows, old_rows, from_new, from_old, d):
 
 @triton.jit
 def quantize_blocks_kernel(
-    k_ptr, v_ptr, k_residual_ptr, v_residual_ptr, slot_of_ptr, blocks_ptr, src_ptr,
+    k_ptr, v_ptr, k_residual_ptr, v_residual_ptr, full_slot_ptr, blocks_ptr, src_ptr,
     k_codes_ptr, v_codes_ptr, k_scale_ptr, k_min_ptr, v_scale_ptr, v_min_ptr,
     block_size, bytes_per_row,
     stride_kt, stride_kh, stride_vt, stride_vh,
@@ -88,7 +91,8 @@ def quantize_blocks_kernel(
     BITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, MIN_SCALE_: tl.constexpr,
 ):
     """Grid ``(num_blocks, kvh)``: program (i, h) quantizes head h of block ``blocks[i]``, whose row
-    at offset s is new row ``src[i, s]`` or, where that is negative, its residual row.
+    at offset s is new row ``src[i, s]`` or, where that is negative, its row in residual slot
+    ``full_slot[i]`` (the slot the block held before this step's write; none where negative).
     Byte p of a packed row holds channels ``p * PER + j``, j < PER, so each pass j reads one
     ``[BLOCK_S, BLOCK_P]`` tile of channels and ORs its codes in at bit ``j * BITS``."""
     PER: tl.constexpr = 8 // BITS
@@ -96,7 +100,7 @@ def quantize_blocks_kernel(
     i = tl.program_id(0)
     blk = tl.load(blocks_ptr + i).to(tl.int64)
     head = tl.program_id(1)
-    rslot = tl.load(slot_of_ptr + blk)
+    rslot = tl.load(full_slot_ptr + i)
     offs_s = tl.arange(0, BLOCK_S)
     offs_p = tl.arange(0, BLOCK_P)
     s_ok = offs_s < block_size
@@ -203,7 +207,7 @@ def store_packed_kv(k: torch.Tensor, v: torch.Tensor, cache: PackedLayerCache, s
             stride_vh=v.stride(1),
             # the blocks it fills, where each of their rows comes from, and the rows held open so far
             blocks_ptr=plan.full, src_ptr=plan.src.contiguous(), block_size=bs,
-            k_residual_ptr=res, v_residual_ptr=cache.v_residual, slot_of_ptr=cache.slot_of,
+            k_residual_ptr=res, v_residual_ptr=cache.v_residual, full_slot_ptr=plan.full_slots,
             stride_rb=res.stride(0), stride_rs=res.stride(1), stride_rh=res.stride(2),
             # the packed codes and their parameters
             k_codes_ptr=codes, v_codes_ptr=cache.v_codes, bytes_per_row=codes.shape[-1],

@@ -153,7 +153,7 @@ def test_engine_generates_the_same_through_the_kernels(tmp_path, arch, kv_dtype,
 def test_the_write_plan_is_the_steps_computed_once_from_the_host_slots():
     """Every packed layer of a group reads one plan per step, made from the batch's host copy of
     its slots, equal to the plan of the slots themselves."""
-    from runtime.cache.packed_layer import WritePlan
+    from runtime.cache.write_plan import WritePlan
 
     batch = PagedBatch.build(4, [0, 6], [5, 3], [((0, 1), (2,)), ((3, 4, 7), (5, 6, 8))])
     plan = batch.write_plan(0)

@@ -5,7 +5,8 @@ import torch
 from foundation.attention_layout import AttentionLayout
 from runtime.cache.kv_cache import KVCache, KVCacheSpec
 from runtime.cache.low_bit_kv import EXACT_FIRST_BLOCK_BITS, LOW_BIT_KV
-from runtime.cache.packed_layer import PackedLayerCache, WritePlan
+from runtime.cache.packed_layer import PackedLayerCache
+from runtime.cache.write_plan import WritePlan
 
 BS, KVH, D = 4, 2, 8
 CONFIG = {"model_type": "llama", "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": KVH,
@@ -20,7 +21,8 @@ def _layer(exact_first_block: bool, bits: int = 2, residual_blocks: int = 4) -> 
 
 
 def _write(lc: PackedLayerCache, k, v, slots, positions):
-    lc.write(k, v, slots, WritePlan.of(slots, BS, positions=positions if lc.exact_first_block else None))
+    plan = WritePlan.of(slots, BS, positions=positions if lc.exact_first_block else None)
+    lc.write(k, v, slots, lc.slots.apply(plan))
 
 
 def test_plan_keeps_the_first_block_in_its_slot():

@@ -25,7 +25,7 @@ def assert_same_layer(ours, theirs) -> None:
     may land on another code."""
     for name in TENSORS:
         assert torch.equal(getattr(ours, name).cpu(), getattr(theirs, name)), name
-    assert ours._free == theirs._free
+    assert ours.slots._free == theirs.slots._free
 
 
 def rows(slots, seed, kvh=2, d=16, device="cpu"):
@@ -85,7 +85,7 @@ def test_blocks_filled_within_one_write_need_no_residual_slot(device, bits):
             first_k = rows(steps[0], 0)[0]
             codes, _, _ = quantize_key_blocks(torch.cat([first_k, k[11:12].cpu()])[None], bits)
             assert torch.equal(ours.k_codes[5].cpu(), codes[0])
-    assert ours.open_blocks == 0 and sorted(ours._free) == [0, 1]
+    assert ours.open_blocks == 0 and sorted(ours.slots._free) == [0, 1]
 
 
 @pytest.mark.parametrize("bits", [4, 2])
