@@ -16,6 +16,7 @@ LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 DEFAULT_CONTEXT = 512
 DEFAULT_STRIDE = 256
 DEFAULT_MAX_TOKENS = 16384
+LOGPROB_ROWS = 512  # positions per log-softmax in target_logprobs
 
 
 @dataclass(frozen=True)
@@ -62,10 +63,8 @@ def perplexity(
         end = min(begin + context, n)
         new = end - max(prev_end, begin + 1) if prev_end else end - begin - 1
         window = ids[begin:end].unsqueeze(0)
-        logits = logits_fn(window).float()
-        logprobs = torch.log_softmax(logits[0, :-1], dim=-1)
-        targets = window[0, 1:]
-        tok_lp = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        logits = logits_fn(window)[0, :-1]
+        tok_lp = target_logprobs(logits, window[0, 1:].to(logits.device))
         tok_lp = tok_lp[-new:] if new > 0 else tok_lp[:0]
         nll_sum -= float(tok_lp.sum())
         scored += int(tok_lp.numel())
@@ -73,6 +72,17 @@ def perplexity(
         if end == n:
             break
     return PerplexityResult(math.exp(nll_sum / scored), nll_sum, scored, text, n, context, stride)
+
+
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, rows: int = LOGPROB_ROWS) -> torch.Tensor:
+    """fp32 log-probability of ``targets [T]`` under ``logits [T, vocab]``, ``rows`` positions at a
+    time: a log-softmax of the whole window would be a second ``[T, vocab]`` fp32 tensor (8.6 GB at
+    8,192 positions of a 262k vocabulary)."""
+    out = torch.empty(targets.shape[0], dtype=torch.float32, device=logits.device)
+    for a in range(0, targets.shape[0], rows):
+        lp = torch.log_softmax(logits[a:a + rows].float(), dim=-1)
+        out[a:a + rows] = lp.gather(-1, targets[a:a + rows, None]).squeeze(-1)
+    return out
 
 
 def tokenize_range(tokenizer, text_name: str, max_tokens: int | None = DEFAULT_MAX_TOKENS) -> torch.Tensor:

@@ -384,7 +384,7 @@ class Engine:
         bm = self.block_manager
         if not bm.allocate(sid, bm.no_hit(), sizes[0]):
             raise KvslimError("score: no free KV blocks (the engine is busy)")
-        out = []
+        out: torch.Tensor | None = None  # filled piece by piece: [T, vocab] is the big tensor here
         try:
             start = 0
             for n in sizes:
@@ -395,11 +395,14 @@ class Engine:
                 self.backend.set_batch(batch)
                 step_ids = torch.tensor(ids[start:start + n], dtype=torch.long, device=self.device)
                 hidden = self.model(step_ids, batch.positions, self.backend)
-                out.append(self.model.compute_logits(hidden))
+                logits = self.model.compute_logits(hidden)
+                if out is None:
+                    out = logits.new_empty((len(ids), logits.shape[-1]))
+                out[start:start + n] = logits
                 start += n
         finally:
             bm.free(sid)
-        return torch.cat(out)
+        return out
 
     # --- offline API ---------------------------------------------------------------------------
     def stream(

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from foundation.errors import KvslimError
-from foundation.perplexity import perplexity
+from foundation.perplexity import perplexity, target_logprobs
 
 
 def _uniform(vocab):
@@ -55,3 +55,13 @@ def test_bad_arguments():
         perplexity(_uniform(3), [1], "x")
     with pytest.raises(KvslimError, match="stride"):
         perplexity(_uniform(3), [1, 2, 3], "x", context=4, stride=5)
+
+
+def test_target_logprobs_in_row_chunks_equal_one_log_softmax():
+    """Chunked so that a long window of a large vocabulary never holds a second [T, vocab] tensor."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(37, 101, generator=g, dtype=torch.float64).to(torch.bfloat16)
+    targets = torch.randint(0, 101, (37,), generator=g)
+    whole = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+    for rows in (1, 8, 37, 512):
+        assert torch.equal(target_logprobs(logits, targets, rows), whole)
