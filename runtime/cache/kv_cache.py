@@ -36,9 +36,9 @@ from runtime.cache.low_bit_kv import (
     packed_dim,
 )
 from runtime.cache.packed_layer import PackedLayerCache
+from runtime.cache.paged_rows import gather_blocks, store_rows
 from runtime.cache.residual_slots import ResidualSlots
 from runtime.cache.write_plan import WritePlan
-from runtime.cache.paged_rows import gather_blocks, store_rows
 
 KV_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,

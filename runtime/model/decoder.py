@@ -27,8 +27,8 @@ from runtime.model.layers.attention import Attention
 from runtime.model.layers.cpu_kernels import CpuKernelChoice
 from runtime.model.layers.mlp import GatedMLP
 from runtime.model.layers.norm import RMSNorm
-from runtime.model.layers.small_ops import SmallOps
 from runtime.model.layers.rotary import RotaryEmbedding
+from runtime.model.layers.small_ops import SmallOps
 from runtime.model.spec import ModelSpec
 
 

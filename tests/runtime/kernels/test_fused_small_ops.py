@@ -3,18 +3,17 @@ references (``RMSNorm``, ``apply_rotary``, ``GatedMLP``'s expression); fp32 unde
 interpreter, bf16 on a GPU."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 from foundation.errors import KvslimError
-from runtime.kernels.add_rms_norm import add_rms_norm
 from runtime.attention.key_rope import apply_rotary, rotary_cos_sin
+from runtime.kernels.add_rms_norm import add_rms_norm
 from runtime.kernels.gated_activation import gated_activation
 from runtime.kernels.rotary import rotary
 from runtime.model.layers.mlp import activation
 from runtime.model.layers.norm import RMSNorm
 from tests.runtime.conftest import requires_gpu
 
-CASES = [(torch.float32, "cpu"), pytest.param(torch.bfloat16, "cuda", marks=requires_gpu)]
+CASES = [(torch.float32, "cpu"), pytest.param(torch.bfloat16, "cuda", marks=[requires_gpu, pytest.mark.gpu])]
 
 
 def _norm(hidden: int, offset: float, dtype: torch.dtype, device: str) -> RMSNorm:
@@ -84,4 +83,3 @@ def test_bad_inputs_are_one_line_errors():
     empty = torch.empty(0, 8)
     assert add_rms_norm(empty, empty, torch.ones(8), 1e-5)[1].shape == (0, 8)
     assert gated_activation(empty, empty, "silu").shape == (0, 8)
-    assert F.silu(torch.zeros(1)).item() == 0.0
