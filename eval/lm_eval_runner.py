@@ -206,13 +206,13 @@ class EvalPlan:
         import transformers
 
         from foundation.kv_dtype_mix import SEPARATOR
-        from runtime.cache.low_bit_kv import LOW_BIT_KV
+        from runtime.cache.low_bit_kv import EXACT_FIRST_BLOCK_BITS, LOW_BIT_KV
         from runtime.device import CPU, Placement
         from runtime.model.layers.activation_dtype import choose_activation_dtype
 
         placement = Placement.resolve(self.device, self.kernels)
         named_ppl = any(t in PERPLEXITY_TASKS for t in self.tasks)
-        low_bit = [part for part in self.kv_cache_dtype.split(SEPARATOR) if part in LOW_BIT_KV]
+        low_bit = [LOW_BIT_KV[part] for part in self.kv_cache_dtype.split(SEPARATOR) if part in LOW_BIT_KV]
         return {
             "tasks": sorted(self.tasks),
             "limits": dict(sorted(self.limits.items())),
@@ -224,8 +224,8 @@ class EvalPlan:
             **({"kvslim_placement": f"{placement.device.type}/{placement.kernels}"} if placement != CPU else {}),
             **({"kvslim_kv_cache_dtype": self.kv_cache_dtype} if self.kv_cache_dtype != "auto" else {}),
             # how int4/int2 KV is stored and read (2: a step's own rows exact, score a block per step;
-            # 3: int2 also keeps each sequence's first block exact)
-            **({"kvslim_low_bit_read": 3 if "int2" in low_bit else 2} if low_bit else {}),
+            # 3: a width that also keeps each sequence's first block exact, low_bit_kv.EXACT_FIRST_BLOCK_BITS)
+            **({"kvslim_low_bit_read": 3 if EXACT_FIRST_BLOCK_BITS & set(low_bit) else 2} if low_bit else {}),
             **({"retrieval_contexts": list(self.retrieval_contexts), "retrieval_version": 1}
                if self.retrieval_tasks() else {}),
             "pack_version": PACK_VERSION,

@@ -13,7 +13,7 @@ them before RoPE (int2), after it, and every key read rotated at its position in
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -47,20 +47,16 @@ class PagedBatch:
     decode_rows: torch.Tensor  # their rows in the flattened batch
     slot_mapping_host: tuple[torch.Tensor, ...] = ()  # ``slot_mapping`` as built on the host
     positions_host: torch.Tensor | None = None  # ``positions`` as built on the host
-    _write_plans: dict[tuple[int, bool], WritePlan] = field(default_factory=dict, compare=False, repr=False)
 
     def write_plan(self, g: int, exact_first_block: bool = False) -> WritePlan:
-        """Group ``g``'s packed-KV write plan for this step: computed once, from the host's slots
-        (no device read), for every layer of the group; ``exact_first_block``: the group keeps
-        each sequence's first block in its residual slot."""
-        key = (g, exact_first_block)
-        if key not in self._write_plans:
-            slots = self.slot_mapping_host[g] if self.slot_mapping_host else self.slot_mapping[g]
-            positions = None
-            if exact_first_block:
-                positions = self.positions_host if self.positions_host is not None else self.positions
-            self._write_plans[key] = WritePlan.of(slots, self.block_size, self.slot_mapping[g].device, positions)
-        return self._write_plans[key]
+        """Group ``g``'s packed-KV write plan for this step, from the host's slots (no device read);
+        ``exact_first_block``: the group keeps each sequence's first block in its residual slot.
+        The backend's ``set_batch`` asks once per group (``KVCache.plan_packed_writes``)."""
+        slots = self.slot_mapping_host[g] if self.slot_mapping_host else self.slot_mapping[g]
+        positions = None
+        if exact_first_block:
+            positions = self.positions_host if self.positions_host is not None else self.positions
+        return WritePlan.of(slots, self.block_size, self.slot_mapping[g].device, positions)
 
     @classmethod
     def build(

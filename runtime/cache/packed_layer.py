@@ -41,8 +41,8 @@ class PackedLayerCache:
     """Views of one layer slot's packed tensors and residual rows, over its group's slot table."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], bits: int, residual_dtype: torch.dtype,
-                 exact_first_block: bool = False, slots: ResidualSlots | None = None):
-        """``slots``: the group's slot table (default: a table of this layer's own, for a group of one)."""
+                 exact_first_block: bool, slots: ResidualSlots):
+        """``slots``: the cache group's slot table, shared by its layers."""
         self.k_codes, self.v_codes = tensors["k_codes"], tensors["v_codes"]
         self.k_scale, self.k_min = tensors["k_scale"], tensors["k_min"]
         self.v_scale, self.v_min = tensors["v_scale"], tensors["v_min"]
@@ -52,7 +52,7 @@ class PackedLayerCache:
         self.exact_first_block = exact_first_block  # the caller's write plans keep first blocks in their slots
         self.block_size = self.k_codes.shape[1]
         self.residual_dtype = residual_dtype
-        self.slots = slots or ResidualSlots(self.k_codes.shape[0], self.k_residual.shape[0], self.k_codes.device)
+        self.slots = slots
         if self.slots.num_slots != self.k_residual.shape[0]:
             raise KvslimError(f"a slot table of {self.slots.num_slots} slots over {self.k_residual.shape[0]} residual blocks")
 

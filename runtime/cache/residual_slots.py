@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from foundation.errors import KvslimError
-from runtime.cache.write_plan import WritePlan
+from runtime.cache.write_plan import WritePlan, to_device
 
 
 class ResidualSlots:
@@ -31,9 +31,7 @@ class ResidualSlots:
     def _set(self, blocks: list[int], slots: list[int]) -> None:
         """Record ``blocks`` holding ``slots`` on the host and (one copy, no read back) on the device."""
         self.slot_host[blocks] = slots
-        pairs = torch.tensor([blocks, slots], dtype=torch.long, device="cpu")
-        if self.slot_of.is_cuda:  # pinned, so the copy queues behind the step's work instead of waiting for it
-            pairs = pairs.pin_memory().to(self.slot_of.device, non_blocking=True)
+        pairs = to_device(torch.tensor([blocks, slots], dtype=torch.long, device="cpu"), self.slot_of.device)
         self.slot_of[pairs[0]] = pairs[1]
 
     def apply(self, plan: WritePlan) -> WritePlan:
@@ -41,10 +39,8 @@ class ResidualSlots:
         them: ``full_slots``), given back unless the block is kept exact, then slots for the blocks
         it leaves open. Filled blocks go first, so the slots they free serve the blocks opened now.
         Returns the plan with ``full_slots`` on the plan's device, for every layer of the group."""
-        held = self.slot_host[list(plan.full_blocks)] if plan.full_blocks else np.zeros(0, dtype=np.int64)
-        full_slots = torch.from_numpy(held.copy())
-        if plan.full.is_cuda:  # pinned: the copy queues behind the step's work
-            full_slots = full_slots.pin_memory().to(plan.full.device, non_blocking=True)
+        held = self.slot_host[list(plan.full_blocks)]  # a copy (fancy indexing)
+        full_slots = to_device(torch.from_numpy(held), plan.full.device)
         self.release(plan.closed_blocks)
         new = [b for b in plan.open_blocks if self.slot_host[b] < 0]  # a block reopened keeps its own
         if len(new) > len(self._free):
@@ -52,7 +48,7 @@ class ResidualSlots:
                               "(more open and exact first blocks than running sequences hold)")
         if new:
             self._set(new, [self._free.pop() for _ in new])
-        return replace(plan, full_slots=full_slots.to(plan.full.device), refills=bool((held >= 0).any()))
+        return replace(plan, full_slots=full_slots, refills=bool((held >= 0).any()))
 
     def release(self, blocks: tuple[int, ...]) -> None:
         """Give back the slots ``blocks`` hold (a block freed while open, or one just quantized)."""

@@ -160,7 +160,7 @@ class Engine:
         # exact: residual blocks for each sequence that can run, plus Engine.score's.
         residual = (config.max_num_seqs + 1) * self.kv_spec.residual_blocks_per_seq
         self.cache = KVCache(self.kv_spec, num_blocks, self.device, layer_scales=layer_scales if static else None,
-                             residual_blocks=max(residual, 1), residual_dtype=model.dtype)
+                             residual_blocks=residual, residual_dtype=model.dtype)
         placement = model.placement
         backend = config.attention_backend or default_attention_backend(placement.kernels)
         options = {"use_triton": True} if backend == "triton" and placement.triton_interpreted else {}

@@ -22,12 +22,20 @@ from runtime.model.layers.norm import RMSNorm
 class SmallOps:
     fused: bool = False
 
+    def __post_init__(self) -> None:
+        kernels = None
+        if self.fused:  # the Triton kernels, imported once here rather than on every call of a step
+            from runtime.kernels.add_rms_norm import add_rms_norm
+            from runtime.kernels.gated_activation import gated_activation
+            from runtime.kernels.rotary import rotary
+
+            kernels = (add_rms_norm, rotary, gated_activation)
+        object.__setattr__(self, "_kernels", kernels)
+
     def add_norm(self, h: torch.Tensor, pending: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """``(h + pending, norm(h + pending))``; ``pending`` None: ``(h, norm(h))``."""
-        if self.fused:
-            from runtime.kernels.add_rms_norm import add_rms_norm
-
-            return add_rms_norm(h, pending, norm.weight, norm.eps, norm.offset)
+        if self._kernels:
+            return self._kernels[0](h, pending, norm.weight, norm.eps, norm.offset)
         if pending is not None:
             h = h + pending
         return h, norm(h)
@@ -37,17 +45,13 @@ class SmallOps:
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x [T, heads, head_dim]`` rotated (rotate-half) by ``cos``, ``sin`` ``[T, 1, head_dim]``."""
-        if self.fused:
-            from runtime.kernels.rotary import rotary
-
-            return rotary(x, cos, sin)
+        if self._kernels:
+            return self._kernels[1](x, cos, sin)
         return apply_rotary(x, cos, sin)
 
     def gated(self, gate: torch.Tensor, up: torch.Tensor, act_name: str,
               act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """``act(gate) * up``."""
-        if self.fused:
-            from runtime.kernels.gated_activation import gated_activation
-
-            return gated_activation(gate, up, act_name)
+        """``act(gate) * up`` (``act``: the torch function of ``act_name``, the kernel's activation)."""
+        if self._kernels:
+            return self._kernels[2](gate, up, act_name)
         return act(gate) * up

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from foundation.errors import KvslimError
+from runtime.attention.paged import PagedBatch
 from runtime.cache.residual_slots import ResidualSlots
 from runtime.cache.write_plan import WritePlan
 from runtime.engine.engine import Engine, EngineConfig
@@ -38,17 +39,21 @@ def test_a_groups_layers_share_one_table(tiny_llama):
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     for p in ([5, 6, 7], list(range(10, 31))):
         engine.add_request(p, params)
-    applied = []
-    original = ResidualSlots.apply
+    applied, planned = [], []
+    original_apply, original_plan = ResidualSlots.apply, PagedBatch.write_plan
 
-    def counted(self, plan):
+    def counted_apply(self, plan):
         applied.append(plan)
-        return original(self, plan)
+        return original_apply(self, plan)
 
-    with mock.patch.object(ResidualSlots, "apply", counted):
+    def counted_plan(self, g, exact_first_block=False):
+        planned.append(g)
+        return original_plan(self, g, exact_first_block)
+
+    with mock.patch.object(ResidualSlots, "apply", counted_apply), mock.patch.object(PagedBatch, "write_plan", counted_plan):
         steps = 0
         while engine.has_unfinished:
             engine.step()
             steps += 1
-    assert len(applied) == steps  # once per step for the one group, not once per layer
+    assert len(applied) == len(planned) == steps  # once per step for the one group, not once per layer
     assert engine.cache.residual_slots[0].open_blocks == 0  # every sequence freed its open block

@@ -21,6 +21,7 @@ from runtime.engine.engine import Engine, EngineConfig
 from runtime.engine.sampling import SamplingParams
 from runtime.model.loader import load_model
 from tests.runtime.engine.test_engine_tiny import prompts
+from tests.runtime.kernels.launch_counter import inside_triton
 from tests.runtime.model.test_decode_graphs import assert_same_tokens
 
 PARAMS = SamplingParams(max_tokens=5, temperature=0, logprobs=3, ignore_eos=True)
@@ -109,19 +110,10 @@ class HostTraffic(TorchFunctionMode):
         self.calls: list[str] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self.WATCHED and not self._inside_triton():
+        if func in self.WATCHED and not inside_triton():
             caller = sys._getframe(1)
             self.calls.append(f"{getattr(func, '__name__', func)} at {caller.f_code.co_filename}:{caller.f_lineno}")
         return func(*args, **(kwargs or {}))
-
-    @staticmethod
-    def _inside_triton() -> bool:
-        frame = sys._getframe(2)
-        while frame is not None:
-            if frame.f_globals.get("__name__", "").startswith("triton"):
-                return True
-            frame = frame.f_back
-        return False
 
 
 def test_a_step_reads_nothing_back_and_builds_no_tensor_from_host_data(tiny_checkpoints):

@@ -14,8 +14,10 @@ NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_str
              "_local_scalar_dense", "set_", "resize_", "record_stream"}
 
 
-def _inside_triton() -> bool:
-    frame = sys._getframe(2)
+def inside_triton(depth: int = 2) -> bool:
+    """Whether the caller ``depth`` frames up was called from Triton's code (its interpreter copies
+    tensors to numpy and back by design)."""
+    frame = sys._getframe(depth)
     while frame is not None:
         if frame.f_globals.get("__name__", "").startswith("triton"):
             return True
@@ -35,7 +37,7 @@ class LaunchCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if not func.is_view and name not in NO_LAUNCH and not _inside_triton():
+        if not func.is_view and name not in NO_LAUNCH and not inside_triton():
             self.counts[f"aten.{name}"] += 1
         return func(*args, **(kwargs or {}))
 
