@@ -27,6 +27,16 @@ STREAMING_SELECTS: tuple[str, ...] = ("mass", "output")
 # at 45 of 90 heads and leads it by 3 points at 68 and 75 (benchmarks/results/streaming_heads_served.json).
 # DuoAttention keeps ~25% of KV heads full in MHA models and ~50% in GQA ones.
 AUTO_FRACTION = {"mha": 0.75, "gqa": 0.5}
+# Query rows a head is scored from: every row up to this many, else this many evenly spaced (the
+# scores are means over rows; at 8,192 tokens all rows would form [heads, 8192, 8192] per window).
+MAX_QUERY_ROWS = 2048
+
+
+def query_rows(seq_len: int) -> torch.Tensor:
+    """The query positions scored in a ``seq_len``-token sequence: all, or ``MAX_QUERY_ROWS`` evenly
+    spaced ending at the last (the rows that see the most keys beyond a window)."""
+    stride = -(-seq_len // MAX_QUERY_ROWS)
+    return torch.arange(seq_len - 1, -1, -stride).flip(0)
 
 
 def auto_fraction(num_heads: int, num_kv_heads: int) -> float:
@@ -70,10 +80,11 @@ class HeadScoreProbe:
         h, kvh = q.shape[1], k.shape[1]
         rep = h // kvh
         k, v = k[0].repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)  # [H, T, D]
+        rows = query_rows(t)
         pos = torch.arange(t)
-        dist = pos[:, None] - pos[None, :]
+        dist = rows[:, None] - pos[None, :]  # [R, T]
         causal = dist >= 0
-        scores = (q[0] @ k.transpose(1, 2)) * attn.scaling  # [H, T, T]
+        scores = (q[0, :, rows] @ k.transpose(1, 2)) * attn.scaling  # [H, R, T]
         p_full = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
         wo = attn.o_proj.weight.float().view(-1, h, d)  # [hidden, H, D]
         o_full = p_full @ v
@@ -81,10 +92,11 @@ class HeadScoreProbe:
         out = {}
         for w in self.windows:
             local = causal & ((dist < w) | (pos[None, :] < self.sinks))
-            mass = (p_full[:, w:] * (dist[w:] >= w)).sum(-1).mean(-1)  # [H]; sink keys counted lost
+            beyond = rows >= w  # the queries a window of w can make lose anything
+            mass = (p_full[:, beyond] * (dist[beyond] >= w)).sum(-1).mean(-1)  # [H]; sink keys counted lost
             p_local = torch.softmax(scores.masked_fill(~local, float("-inf")), -1)
-            delta = torch.einsum("htd,ohd->hto", p_local @ v - o_full, wo)  # per query head, [H, T, hidden]
-            per_kv = delta.view(kvh, rep, t, -1).sum(1)  # [KVH, T, hidden]
+            delta = torch.einsum("htd,ohd->hto", p_local @ v - o_full, wo)  # per query head, [H, R, hidden]
+            per_kv = delta.view(kvh, rep, len(rows), -1).sum(1)  # [KVH, R, hidden]
             out[w] = (mass.view(kvh, rep).mean(-1), per_kv.pow(2).sum((1, 2)) / energy)
         return out
 

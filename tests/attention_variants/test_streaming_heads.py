@@ -11,6 +11,7 @@ from attention_variants.streaming_heads import (
     auto_fraction,
     head_scores,
     head_scores_by_window,
+    query_rows,
     streaming_kv_heads,
 )
 from foundation.attention_layout import AttentionLayout
@@ -59,6 +60,20 @@ def test_a_window_that_sees_everything_loses_nothing(tiny_llama):
     """Window + sinks covering every position: streaming changes no output."""
     scores = head_scores(_model(tiny_llama), IDS, window=30, sinks=10)
     assert float(scores["output"].abs().max()) < 1e-10 and float(scores["mass"].max()) > 0  # mass counts sink keys
+
+
+def test_long_sequences_are_scored_from_evenly_spaced_query_rows(tiny_llama, monkeypatch):
+    """Past ``MAX_QUERY_ROWS`` a head's scores are means over evenly spaced rows ending at the last:
+    near the all-rows scores, same layers ranked first."""
+    import attention_variants.streaming_heads as sh
+
+    assert query_rows(40).tolist() == list(range(40))
+    full = head_scores(_model(tiny_llama), IDS, window=8, sinks=2)
+    monkeypatch.setattr(sh, "MAX_QUERY_ROWS", 20)
+    assert query_rows(40).tolist() == list(range(1, 40, 2)) and len(query_rows(41)) == 14
+    sampled = head_scores(_model(tiny_llama), IDS, window=8, sinks=2)
+    torch.testing.assert_close(sampled["mass"], full["mass"], atol=0.05, rtol=0)
+    assert sampled["mass"].mean(1).argmax() == full["mass"].mean(1).argmax()
 
 
 def test_scores_need_sequences_longer_than_the_window(tiny_llama):
