@@ -14,7 +14,7 @@ them before RoPE (int2), after it, and every key read rotated at its position in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +47,15 @@ class PagedBatch:
     decode_rows: torch.Tensor  # their rows in the flattened batch
     slot_mapping_host: tuple[torch.Tensor, ...] = ()  # ``slot_mapping`` as built on the host
     positions_host: torch.Tensor | None = None  # ``positions`` as built on the host
+    # per int4/int2 group, the step's writes already planned and applied (a CUDA graph's per-row
+    # plans, ``WritePlan.per_row``); None: the backend's ``set_batch`` plans them
+    write_plans: Mapping[int, WritePlan] | None = None
+
+    def packed_writes(self, cache: KVCache) -> dict[int, WritePlan]:
+        """The step's packed writes by cache group, planned and applied once per step."""
+        if self.write_plans is not None:
+            return dict(self.write_plans)
+        return cache.plan_packed_writes(self.write_plan)
 
     def write_plan(self, g: int, exact_first_block: bool = False) -> WritePlan:
         """Group ``g``'s packed-KV write plan for this step, from the host's slots (no device read);
@@ -240,7 +249,7 @@ class PagedAttentionBackend:
     def set_batch(self, batch: PagedBatch) -> None:
         self.batch = batch
         self._plans = {}
-        self._write_plans = self.cache.plan_packed_writes(batch.write_plan)  # int4/int2 groups: once per step
+        self._write_plans = batch.packed_writes(self.cache)  # int4/int2 groups: once per step
         self._new_rows_by_slot = {}
         self._rotary = StepKeyRotary(batch.positions)
 

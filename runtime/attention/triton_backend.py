@@ -95,7 +95,7 @@ class KernelAttentionBackend:
         CUDA graph's fixed launch shape; each program still reads only its sequence's keys)."""
         self._check_batch(batch)
         self.batch = batch
-        self._write_plans = self.cache.plan_packed_writes(batch.write_plan)  # int4/int2 groups: once per step
+        self._write_plans = batch.packed_writes(self.cache)  # int4/int2 groups: once per step
         self._new_rows_by_slot = {}
         self._rotary = StepKeyRotary(batch.positions, self._rotate_keys)
         self._launch_bounds = dict(

@@ -83,6 +83,10 @@ class PackedLayerCache:
             plan = self.slots.apply(WritePlan.of(slots, self.block_size))
         elif plan.full_slots is None:
             raise KvslimError("a packed write's plan must have its slots applied (ResidualSlots.apply) first")
+        if plan.per_row:  # fixed launch shapes (a CUDA graph): every entry, the kernels skip the unused
+            quantize(plan)
+            store(plan.stays)
+            return
         if plan.full_blocks:
             quantize(plan)
         if plan.open_blocks:
@@ -91,6 +95,7 @@ class PackedLayerCache:
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, plan: WritePlan | None = None) -> None:
         """Store new rows ``[T, kvh, D]`` at ``slots [T]``; quantize every block this write fills."""
         bs = self.block_size
+        plan = plan.compact() if plan is not None else None
 
         def quantize(plan: WritePlan) -> None:
             full = plan.full

@@ -2,11 +2,13 @@
 
 A write's plan depends on its slots (and positions) alone, so the step's batch computes it once per
 cache group on the host (``PagedBatch.write_plan``) and the group's slot table fills in the slots its
-filled blocks held (``ResidualSlots.apply``), for every layer of the group.
+filled blocks held (``ResidualSlots.apply``), for every layer of the group. A CUDA graph replays
+fixed launch shapes, so its decode step takes the plan per row (``WritePlan.per_row``): one entry
+for each of the bucket's rows, in persistent buffers the step refills (``runtime.engine.cuda_graphs``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -29,6 +31,32 @@ class WritePlan:
     closed_blocks: tuple[int, ...]  # the filled blocks that give their residual slots back
     full_slots: torch.Tensor | None = None  # [n] the residual slot each filled block held (-1: none), set by ResidualSlots.apply
     refills: bool = False  # some filled block held residual rows (so they are read)
+    per_row: bool = False  # one entry per write row (``full[i]`` -1 where row i fills no block): fixed shapes
+
+    def per_row_plan(self, rows: int) -> "WritePlan":
+        """This plan, its slots applied and on the host, with one entry per write row padded to
+        ``rows``: ``full[i]`` the block whose last offset row i writes (-1: none), with that block's
+        ``src`` and ``full_slots``; ``stays`` False past the write. The kernels launch over every
+        entry and skip the -1s, so a CUDA graph's launch shapes do not depend on the step."""
+        if self.full_slots is None:
+            raise ValueError("a per-row plan is made from an applied plan (ResidualSlots.apply)")
+        last = self.src[:, -1]  # the row writing each filled block's last offset
+        full = torch.full((rows,), -1, dtype=torch.long)
+        src = torch.full((rows, self.src.shape[1]), -1, dtype=torch.long)
+        full_slots = torch.full((rows,), -1, dtype=torch.long)
+        full[last], src[last], full_slots[last] = self.full, self.src, self.full_slots
+        stays = torch.zeros(rows, dtype=torch.bool)
+        stays[:self.stays.numel()] = self.stays
+        return replace(self, full=full, src=src, stays=stays, full_slots=full_slots, refills=True, per_row=True)
+
+    def compact(self) -> "WritePlan":
+        """A per-row plan as the filled blocks alone (reads ``full`` on the host: the torch path's)."""
+        if not self.per_row:
+            return self
+        keep = self.full >= 0
+        full = self.full[keep]
+        return replace(self, full=full, src=self.src[keep], full_slots=self.full_slots[keep],
+                       full_blocks=tuple(full.tolist()), per_row=False)
 
     @classmethod
     def of(cls, slots: torch.Tensor, block_size: int, device: torch.device | str | None = None,

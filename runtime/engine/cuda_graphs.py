@@ -13,20 +13,28 @@ mirrors and copies each with one non-blocking copy, then replays the graph of th
 stays NaN-free). The attention kernels are launched for the longest context (``max_model_len``)
 with a split count fixed per bucket; each program reads only the keys its sequence holds.
 
+Packed int4/int2 groups plan their writes on the host before each replay, as the eager step does
+in ``set_batch``: the group's slot table is updated and the plan written per row into persistent
+buffers (``PackedWriteInputs``, ``WritePlan.per_row``), whose kernels launch over every row of the
+bucket and skip the rows that fill or keep nothing.
+
 The captured forward creates no tensor from host data and reads nothing back: a sync inside a
 capture is an error on CUDA, and ``tests/runtime/engine/test_cuda_graphs.py`` records it on the
 CPU, where ``capture=False`` runs the same static-buffer forward eagerly (Triton's interpreter).
-Packed int4/int2 KV plans its block quantization on the host, so those caches decode eagerly.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
 from runtime.attention.paged import PagedBatch
+from runtime.cache.kv_cache import KVCache
+from runtime.cache.residual_slots import ResidualSlots
+from runtime.cache.write_plan import WritePlan
 
 
 def graph_buckets(max_rows: int) -> tuple[int, ...]:
@@ -59,23 +67,58 @@ class DecodeRow:
     tables: Sequence[Sequence[int]]  # released window blocks are -1
 
 
+def _buffers(size: tuple[int, ...], dtype: torch.dtype, fill: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A host mirror (pinned for CUDA) and its persistent device buffer, both ``fill``."""
+    host = torch.full(size, fill, dtype=dtype, pin_memory=device.type == "cuda")
+    return host, host.to(device)
+
+
+class PackedWriteInputs:
+    """One int4/int2 cache group's per-row write plan (``WritePlan.per_row``) in persistent buffers,
+    planned on the host and applied to the group's slot table before each replay."""
+
+    def __init__(self, slots: ResidualSlots, exact_first_block: bool, shape: DecodeShape, device: torch.device):
+        n, bs = shape.max_rows, shape.block_size
+        self.slots, self.exact_first_block, self.block_size = slots, exact_first_block, bs
+        self._full = _buffers((n,), torch.long, -1, device)
+        self._src = _buffers((n, bs), torch.long, -1, device)
+        self._stays = _buffers((n,), torch.bool, 0, device)
+        self._full_slots = _buffers((n,), torch.long, -1, device)
+        self._pairs = (self._full, self._src, self._stays, self._full_slots)
+
+    def fill(self, slots: np.ndarray, positions: np.ndarray, bucket: int) -> None:
+        """Plan the write of ``slots`` (the real rows; their ``positions``), apply it to the slot
+        table, and write it per row, padded to ``bucket``."""
+        full, src, stays, full_slots = (host[:bucket] for host, _ in self._pairs)
+        if len(slots):
+            kept = torch.from_numpy(positions.copy()) if self.exact_first_block else None
+            plan = self.slots.apply(WritePlan.of(torch.from_numpy(slots.copy()), self.block_size, "cpu", kept))
+            rows = plan.per_row_plan(bucket)
+            full.copy_(rows.full), src.copy_(rows.src), stays.copy_(rows.stays), full_slots.copy_(rows.full_slots)
+        else:
+            full.fill_(-1), src.fill_(-1), stays.fill_(False), full_slots.fill_(-1)
+        for host, dev in self._pairs:
+            dev.copy_(host, non_blocking=True)
+
+    def plan(self, bucket: int) -> WritePlan:
+        """The first ``bucket`` rows' plan (views of the device buffers; ``set_batch`` applies nothing)."""
+        return WritePlan(full=self._full[1][:bucket], src=self._src[1][:bucket], stays=self._stays[1][:bucket],
+                         full_blocks=(), open_blocks=(), closed_blocks=(), full_slots=self._full_slots[1][:bucket],
+                         refills=True, per_row=True)
+
+
 class DecodeInputs:
     """The persistent device buffers one decode step reads, and their pinned host mirrors."""
 
-    def __init__(self, shape: DecodeShape, device: torch.device):
+    def __init__(self, shape: DecodeShape, device: torch.device, cache: KVCache | None = None):
+        """``cache``: the engine's, whose int4/int2 groups get per-row write plans (``PackedWriteInputs``)."""
         self.shape = shape
         n, g, w = shape.max_rows, shape.num_groups, shape.table_width
-        pin = device.type == "cuda"
-
-        def pair(size: tuple[int, ...], dtype: torch.dtype, fill: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-            host = torch.full(size, fill, dtype=dtype, pin_memory=pin)
-            return host, host.to(device)
-
-        self._ids = pair((n,), torch.long)
-        self._positions = pair((n,), torch.long)
-        self._context_lens = pair((n,), torch.int32)
-        self._slots = [pair((n,), torch.long, -1) for _ in range(g)]
-        self._tables = [pair((n, w), torch.int32) for _ in range(g)]
+        self._ids = _buffers((n,), torch.long, 0, device)
+        self._positions = _buffers((n,), torch.long, 0, device)
+        self._context_lens = _buffers((n,), torch.int32, 0, device)
+        self._slots = [_buffers((n,), torch.long, -1, device) for _ in range(g)]
+        self._tables = [_buffers((n, w), torch.int32, 0, device) for _ in range(g)]
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # one token per row
         self.rows = torch.arange(n, dtype=torch.long, device=device)
         self._pairs = [self._ids, self._positions, self._context_lens, *self._slots, *self._tables]
@@ -84,6 +127,9 @@ class DecodeInputs:
             p[0].numpy() for p in (self._ids, self._positions, self._context_lens))
         self._np_slots = [s[0].numpy() for s in self._slots]
         self._np_tables = [t[0].numpy() for t in self._tables]
+        slots = cache.residual_slots if cache is not None else ()
+        self._packed = {i: PackedWriteInputs(s, cache.spec.groups[i].exact_first_block, shape, device)
+                        for i, s in enumerate(slots) if s is not None}
 
     @property
     def ids(self) -> torch.Tensor:
@@ -111,6 +157,8 @@ class DecodeInputs:
             tables[g][:bucket].clip(min=0, out=tables[g][:bucket])  # released window blocks are never read
         for host, dev in self._pairs:
             dev.copy_(host, non_blocking=True)
+        for g, packed in self._packed.items():
+            packed.fill(slots[g][:n], pos[:n], bucket)
 
     def pad_all(self) -> None:
         """Every row padding (what a capture runs on: it writes and reads nothing)."""
@@ -129,6 +177,7 @@ class DecodeInputs:
             slot_mapping=tuple(s[1][:bucket] for s in self._slots),
             decode_seqs=self.rows[:bucket],
             decode_rows=self.rows[:bucket],
+            write_plans={g: packed.plan(bucket) for g, packed in self._packed.items()},
         )
 
 
@@ -141,7 +190,7 @@ class CudaDecodeGraphs:
         self.model, self.backend, self.shape = model, backend, shape
         self.capture = capture
         self.buckets = graph_buckets(shape.max_rows)
-        self.inputs = DecodeInputs(shape, model.device)
+        self.inputs = DecodeInputs(shape, model.device, backend.cache)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self._pool = None
@@ -168,16 +217,24 @@ class CudaDecodeGraphs:
 
     def run(self, rows: Sequence[DecodeRow]) -> torch.Tensor:
         """Final-normed hidden ``[len(rows), hidden]`` of the decode step (``Decoder.forward``'s contract)."""
-        n = len(rows)
-        b = self.bucket(n)
+        return self.replay(self.prepare(rows))[:len(rows)]
+
+    def prepare(self, rows: Sequence[DecodeRow]) -> int:
+        """The host's part of a step: capture its bucket if new, write its inputs (and plan its
+        packed writes); returns the bucket."""
+        b = self.bucket(len(rows))
         if self.capture and b not in self._graphs:
             self._capture(b)
         self.inputs.fill(rows, b)
         self.steps += 1
+        return b
+
+    def replay(self, b: int) -> torch.Tensor:
+        """The captured part: bucket ``b``'s forward over the inputs ``prepare`` wrote, ``[b, hidden]``."""
         if not self.capture:
-            return self._forward(b)[:n]
+            return self._forward(b)
         self._graphs[b].replay()
-        return self._outputs[b][:n]
+        return self._outputs[b]
 
     def _forward(self, b: int) -> torch.Tensor:
         self.backend.set_batch(self.inputs.batch(b), max_context_len=self.shape.max_model_len)

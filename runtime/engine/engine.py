@@ -180,10 +180,9 @@ class Engine:
         self._prompt_logprobs: dict[int, list[TokenLogprob | None]] = {}
 
     def _cuda_graphs(self, backend: str) -> CudaDecodeGraphs | None:
-        """Decode replayed from CUDA graphs: on by default on CUDA with the Triton kernels, except
-        with packed int4/int2 KV (its writes plan on the host) or ``enforce_eager``."""
-        if (self.device.type != "cuda" or self.config.enforce_eager or backend != "triton"
-                or any(g.bits for g in self.kv_spec.groups)):
+        """Decode replayed from CUDA graphs: on by default on CUDA with the Triton kernels, unless
+        ``enforce_eager``."""
+        if self.device.type != "cuda" or self.config.enforce_eager or backend != "triton":
             return None
         shape = DecodeShape(self.config.max_num_seqs, self.block_size, self.max_model_len, len(self.kv_spec.groups))
         return CudaDecodeGraphs(self.model, self.backend, shape)

@@ -90,7 +90,8 @@ def quantize_blocks_kernel(
     stride_kpb, stride_kph, stride_vpb, stride_vps,
     BITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, MIN_SCALE_: tl.constexpr,
 ):
-    """Grid ``(num_blocks, kvh)``: program (i, h) quantizes head h of block ``blocks[i]``, whose row
+    """Grid ``(num_blocks, kvh)``: program (i, h) quantizes head h of block ``blocks[i]`` (none where
+    negative: a per-row plan's, ``WritePlan.per_row``), whose row
     at offset s is new row ``src[i, s]`` or, where that is negative, its row in residual slot
     ``full_slot[i]`` (the slot the block held before this step's write; none where negative).
     Byte p of a packed row holds channels ``p * PER + j``, j < PER, so each pass j reads one
@@ -99,6 +100,8 @@ def quantize_blocks_kernel(
     LEVELS: tl.constexpr = (1 << BITS) - 1
     i = tl.program_id(0)
     blk = tl.load(blocks_ptr + i).to(tl.int64)
+    if blk < 0:  # a per-row plan's row that fills no block
+        return
     head = tl.program_id(1)
     rslot = tl.load(full_slot_ptr + i)
     offs_s = tl.arange(0, BLOCK_S)

@@ -2,10 +2,11 @@
 forward a graph captures (persistent buffers, padded buckets, fixed launch shapes) eagerly through
 the Triton kernels under the interpreter, in fp32.
 
-Oracles: the eager engine's greedy tokens and logprobs (every non-packed KV dtype, sliding windows
-with sinks and softcap, streaming heads, KV read from another layer; padded rows in the bucket),
-and a recording torch-function mode that sees no tensor made from host data and no read back to the
-host during a step (what a capture forbids on CUDA). Tolerances as tests/runtime/model/test_decode_graphs.py:
+Oracles: the eager engine's greedy tokens and logprobs (every KV dtype, packed int4/int2 with their
+per-row write plans included, sliding windows with sinks and softcap, streaming heads, KV read from
+another layer; padded rows in the bucket), and a recording torch-function mode that sees no tensor
+made from host data and no read back to the host during the replayed part of a step (what a capture
+forbids on CUDA). Tolerances as tests/runtime/model/test_decode_graphs.py:
 1e-4 on logprobs in fp32, 1e-3 with a quantized cache (a key 1e-7 apart can round to the next code)."""
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def kernel_engine(model, graphed: bool, **config) -> Engine:
         shape = DecodeShape(engine.config.max_num_seqs, engine.block_size, engine.max_model_len,
                             len(engine.kv_spec.groups))
         engine.cuda_graphs = CudaDecodeGraphs(model, engine.backend, shape, capture=False)
+    assert (engine.cuda_graphs is not None) == graphed
     return engine
 
 
@@ -66,13 +68,31 @@ def test_static_decode_matches_the_eager_engine(tiny_checkpoints, arch):
     assert engine.cuda_graphs.steps == engine.stats.steps - 2 == 4
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int8"])
-def test_static_decode_per_kv_dtype(tiny_llama, kv_dtype):
-    got, ref, _ = run_both(load_model(tiny_llama, "float32"), kv_dtype=kv_dtype, n_prompts=3)
-    assert_same_tokens(got, ref, tol=1e-3)
+@pytest.mark.parametrize("kv_dtype,tol", [("fp8_e4m3", 1e-3), ("int8", 1e-3), ("int4", 2e-2), ("int2", 2e-2)])
+def test_static_decode_per_kv_dtype(tiny_llama, kv_dtype, tol):
+    """int4/int2: blocks of 4 fill and quantize during decode (per-row plans); int2 keeps each
+    sequence's first block exact. A padded bucket's GEMMs round 1e-7 differently, and a 4-bit code
+    one level off moves a logprob by up to 1e-2 (without padding the caches are equal, below)."""
+    got, ref, engine = run_both(load_model(tiny_llama, "float32"), kv_dtype=kv_dtype, n_prompts=3)
+    assert_same_tokens(got, ref, tol=tol)
+    assert all(s is None or s.open_blocks == 0 for s in engine.cache.residual_slots)  # every slot given back
 
 
-@pytest.mark.parametrize("kv_dtype,tol", [("fp32", 1e-4), ("int8/fp8_e4m3", 1e-3)])
+@pytest.mark.parametrize("kv_dtype", ["int4", "int2"])
+def test_packed_cache_equals_the_eager_engines_in_a_full_bucket(tiny_llama, kv_dtype):
+    """Four requests fill bucket 4: no padded row, the same GEMMs, so the per-row write plans
+    must leave every code, scale and residual row bit for bit where the eager step's plans do."""
+    model = load_model(tiny_llama, "float32")
+    ps = prompts(4, seed=21, lo=5, hi=30)
+    engines = [kernel_engine(model, graphed, kv_dtype=kv_dtype) for graphed in (True, False)]
+    got, ref = (e.generate(ps, PARAMS) for e in engines)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert engines[0].cuda_graphs.steps == 4
+    for name, t in engines[0].cache.tensors[0].items():
+        assert torch.equal(t, engines[1].cache.tensors[0][name]), name
+
+
+@pytest.mark.parametrize("kv_dtype,tol", [("fp32", 1e-4), ("int8/fp8_e4m3", 1e-3), ("int4/int2", 2e-2)])
 def test_static_decode_with_streaming_heads_and_sinks(tiny_llama, tmp_path, kv_dtype, tol):
     """Several attention entries per layer, each its own cache group, window and sinks (and with a
     mix, its own KV dtype)."""
@@ -90,8 +110,7 @@ def test_static_decode_with_shared_kv(kv_shared_checkpoint):
     assert_same_tokens(got, ref, tol=1e-4)
 
 
-def test_packed_kv_decodes_eagerly_on_cuda_only_by_choice(tiny_llama):
-    """Packed int4/int2 plans its writes on the host: no graphs for it (and none off CUDA at all)."""
+def test_graphs_only_on_cuda_and_not_when_eager_is_enforced(tiny_llama):
     model = load_model(tiny_llama, "float32")
     assert Engine(model, EngineConfig(**CONFIG)).cuda_graphs is None  # the CPU
     assert Engine(model, EngineConfig(enforce_eager=True, **CONFIG)).cuda_graphs is None
@@ -116,23 +135,30 @@ class HostTraffic(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_step_reads_nothing_back_and_builds_no_tensor_from_host_data(tiny_checkpoints):
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int4"])
+def test_a_replay_reads_nothing_back_and_builds_no_tensor_from_host_data(tiny_checkpoints, kv_dtype):
+    """The replayed part of a step (``CudaDecodeGraphs.replay``); ``prepare`` is the host's part,
+    packed write planning included. Prompts of 3, 4 and 7 tokens: with blocks of 4 the first
+    decode step writes positions 3, 4 and 7, filling two blocks and opening one."""
     model = load_model(tiny_checkpoints["gemma3_text"], "float32")
-    engine = kernel_engine(model, True)
-    ps = prompts(3, seed=22, lo=5, hi=30)
-    for p in ps:
+    engine = kernel_engine(model, True, kv_dtype=kv_dtype)
+    for p in ([5, 6, 7], [8, 9, 10, 11], [3, 4, 5, 6, 7, 8, 9]):
         engine.add_request(p, PARAMS)
     engine.step()  # prefill (eager, may read the host)
     tables = engine.block_manager.block_tables
-    rows = [DecodeRow(s.token_slice(s.num_tokens - 1, s.num_tokens)[0], s.num_tokens - 1, tables(s.seq_id))
-            for s in engine.scheduler.running]
     with torch.inference_mode():
         for seq in engine.scheduler.running:  # the blocks the step writes
             engine.block_manager.append(seq.seq_id, seq.num_tokens - 1, seq.num_tokens)
+        rows = [DecodeRow(s.token_slice(s.num_tokens - 1, s.num_tokens)[0], s.num_tokens - 1, tables(s.seq_id))
+                for s in engine.scheduler.running]
+        bucket = engine.cuda_graphs.prepare(rows)
         with HostTraffic() as traffic:
-            hidden = engine.cuda_graphs.run(rows)
-    assert hidden.shape == (3, model.spec.hidden_size) and torch.isfinite(hidden).all()
+            hidden = engine.cuda_graphs.replay(bucket)
+    assert hidden.shape == (4, model.spec.hidden_size) and torch.isfinite(hidden).all()
     assert traffic.calls == []
+    if kv_dtype == "int4":
+        plan = engine.cuda_graphs.inputs.batch(bucket).write_plans[0]
+        assert plan.per_row and (plan.full >= 0).tolist() == [True, False, True, False]  # padded row last
 
 
 def test_padded_rows_write_nothing_and_read_nothing():

@@ -1,6 +1,7 @@
 """The Triton store and paged attention of packed int4/int2 KV against the torch path
 (``PackedLayerCache.write`` / ``gather`` and ``reference_attention``). On CPU the kernels run in
 the interpreter, in fp32 (fp32 queries and residual)."""
+from dataclasses import replace
 from unittest import mock
 
 import pytest
@@ -10,6 +11,7 @@ from foundation.errors import KvslimError
 from runtime.attention.backend import reference_attention
 from runtime.attention.key_rope import KeyRope
 from runtime.cache.low_bit_kv import KEYS_BEFORE_ROPE_BITS, quantize_key_blocks
+from runtime.cache.write_plan import WritePlan
 from runtime.kernels import packed_kv_store as pks
 from runtime.kernels import packed_paged_attention as ppa
 from runtime.model.spec import RopeSpec
@@ -64,6 +66,31 @@ def test_store_matches_the_torch_path(device, bits):
     pks.store_packed_kv(k, v, ours, s)
     pks.reference_store_packed_kv(k.cpu(), v.cpu(), theirs, s.cpu())
     assert_same_layer(ours, theirs)
+
+
+def per_row(layer, slots: list[int], rows: int, device) -> WritePlan:
+    """The write of ``slots`` planned and applied to ``layer``'s table, one entry per row padded
+    to ``rows`` (what a CUDA graph's decode step reads from its persistent buffers)."""
+    plan = layer.slots.apply(WritePlan.of(torch.tensor(slots), layer.block_size, "cpu")).per_row_plan(rows)
+    return replace(plan, full=plan.full.to(device), src=plan.src.to(device), stays=plan.stays.to(device),
+                   full_slots=plan.full_slots.to(device))
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_per_row_plans_store_as_the_torch_path(device, bits):
+    """Fixed launch shapes: every row of the plan launched, two padded rows (slot -1) that fill
+    and keep nothing; the kernels (and the torch path, which compacts the plan) match the write
+    planned per block, bit for bit."""
+    ours = packed_layer(bits, block_size=4, num_blocks=8, residual_blocks=2, device=device)
+    torch_path = packed_layer(bits, block_size=4, num_blocks=8, residual_blocks=2)
+    theirs = packed_layer(bits, block_size=4, num_blocks=8, residual_blocks=2)
+    for i, slots in enumerate(STEPS):
+        k, v, s = rows(slots + [-1, -1], i, device=device)
+        pks.store_packed_kv(k, v, ours, s, plan=per_row(ours, slots, len(s), device))
+        pks.reference_store_packed_kv(k.cpu(), v.cpu(), torch_path, s.cpu(), plan=per_row(torch_path, slots, len(s), "cpu"))
+        pks.reference_store_packed_kv(k[:-2].cpu(), v[:-2].cpu(), theirs, s[:-2].cpu())
+        assert_same_layer(ours, theirs)
+        assert_same_layer(torch_path, theirs)
 
 
 @pytest.mark.parametrize("bits", [4, 2])
