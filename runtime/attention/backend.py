@@ -44,6 +44,9 @@ class AttentionParams:
 
 
 class AttentionBackend(Protocol):
+    """``attend`` per layer; a backend that rotates the step's new keys may also take the decoder's
+    cos/sin for the step (``share_rotary({(KeyRope, dtype): (cos, sin)})``, called before the layers)."""
+
     def attend(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
     ) -> torch.Tensor: ...

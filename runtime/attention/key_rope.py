@@ -95,6 +95,11 @@ class StepKeyRotary:
         self.rotate = rotate or apply_rotary
         self._cos_sin: dict[tuple[KeyRope, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def share(self, tables: dict[tuple[KeyRope, torch.dtype], tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Take the decoder's cos/sin ``[T, 1, head_dim]`` per (rope, dtype) for this step's positions,
+        so queries and keys rotate by one table, computed once."""
+        self._cos_sin.update(tables)
+
     def __call__(self, rope: KeyRope | None, k: torch.Tensor) -> torch.Tensor:
         """New keys ``[T, kv_heads, head_dim]`` before rotary -> rotated (unchanged without a rope)."""
         if rope is None:

@@ -261,6 +261,10 @@ class PagedAttentionBackend:
         kk, vv = self.cache.layers[layer_idx].gather(blocks, dtype, key_dtype=torch.float32)  # a packed layer
         return rope.rotate(kk, key_pos).to(dtype), vv
 
+    def share_rotary(self, tables: dict) -> None:
+        """The decoder's cos/sin of this step by (rope, dtype): the keys rotate by them too."""
+        self._rotary.share(tables)
+
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
         batch = self.batch
         assert batch is not None, "set_batch() before attend()"

@@ -104,6 +104,10 @@ class KernelAttentionBackend:
             max((f + n for f, n in zip(batch.first_positions, batch.query_lens)), default=0),
         )
 
+    def share_rotary(self, tables: dict) -> None:
+        """The decoder's cos/sin of this step by (rope, dtype): the keys rotate by them too."""
+        self._rotary.share(tables)
+
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
         batch = self.batch
         assert batch is not None, "set_batch() before attend()"

@@ -134,6 +134,9 @@ class Decoder(nn.Module):
         if self.embed_scale is not None:
             h = h * self.embed_scale
         cos_sin = [r(positions, self.dtype) for r in self.rotary]
+        share = getattr(backend, "share_rotary", None)  # one cos/sin per step for queries and keys
+        if share is not None:
+            share({(r.key_rope, self.dtype): cs for r, cs in zip(self.rotary, cos_sin)})
         pending = None
         for i, layer in enumerate(self.layers):
             cos, sin = cos_sin[self.rope_of_layer[i]]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runtime.attention.key_rope import rope_frequencies, rotary_cos_sin
+from runtime.attention.key_rope import KeyRope, rope_frequencies, rotary_cos_sin
 from runtime.model.spec import RopeSpec
 
 
@@ -18,6 +18,7 @@ class RotaryEmbedding(nn.Module):
         # bytes count buffers). Copied once per device on first use, so a CUDA graph captured after
         # a warm-up step copies nothing.
         self.inv_freq, self.attention_scaling = rope_frequencies(rope, head_dim, max_position_embeddings)
+        self.key_rope = KeyRope(tuple(self.inv_freq.tolist()), self.attention_scaling)  # the backends' name for it
         self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -46,3 +46,34 @@ def test_the_steps_keys_rotate_as_the_decoders_queries():
     key_rope = KeyRope.of(LLAMA3, 16, 512)
     assert torch.equal(rotary(key_rope, k), apply_rotary(k, cos, sin))
     assert rotary(None, k) is k
+
+
+def test_the_decoders_cos_sin_is_the_one_keys_rotate_by():
+    """One table per step: the decoder hands its cos/sin to the backend, keyed by the KeyRope the
+    layers' attention params carry, and the step's keys rotate by those very tensors."""
+    from runtime.model.layers.rotary import RotaryEmbedding
+
+    emb = RotaryEmbedding(LLAMA3, 16, 512)
+    assert emb.key_rope == KeyRope.of(LLAMA3, 16, 512)
+    positions = torch.tensor([3, 9])
+    cos, sin = emb(positions, torch.float32)
+    seen = []
+    rotary = StepKeyRotary(positions, lambda k, c, s: seen.append((c, s)) or k)
+    rotary.share({(emb.key_rope, torch.float32): (cos, sin)})
+    rotary(KeyRope.of(LLAMA3, 16, 512), torch.randn(2, 2, 16))
+    assert seen[0][0] is cos and seen[0][1] is sin
+
+
+def test_an_engine_step_computes_the_keys_cos_sin_nowhere_else(tiny_llama, monkeypatch):
+    from runtime.attention import key_rope
+    from runtime.engine.engine import Engine, EngineConfig
+    from runtime.engine.sampling import SamplingParams
+    from runtime.model.loader import load_model
+
+    engine = Engine(load_model(tiny_llama, "float32"), EngineConfig(max_num_batched_tokens=64, max_model_len=96,
+                                                                    kv_cache_bytes=2 << 20))
+    calls = []
+    real = key_rope.rotary_cos_sin
+    monkeypatch.setattr(key_rope, "rotary_cos_sin", lambda *a: calls.append(1) or real(*a))
+    engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0))
+    assert calls == []
