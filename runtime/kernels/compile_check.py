@@ -187,7 +187,8 @@ def _sink_variants() -> list[KernelVariant]:
 
 
 def _small_op_variants() -> list[KernelVariant]:
-    """The fused small ops of a decode step: residual add + RMSNorm, rotary, gated activation."""
+    """The fused small ops of a decode step: residual add + RMSNorm, rotary, gated activation, and
+    the merge of attention splits."""
     norm = "runtime.kernels.add_rms_norm"
     out = [KernelVariant(f"add_rms_norm bf16{' + residual' if residual else ''}{' offset' if offset else ''}",
                          "add_rms_norm_kernel", norm,
@@ -202,6 +203,9 @@ def _small_op_variants() -> list[KernelVariant]:
                           {"gate_ptr": "*bf16", "up_ptr": "*bf16", "out_ptr": "*bf16"},
                           dict(ACT=act, BLOCK_=1024, GELU_C_=0.7978845608028654), act == 0)
             for name, act in (("silu", 0), ("gelu_tanh", 1))]
+    out.append(KernelVariant("merge splits bf16 d64", "merge_splits_kernel", "runtime.kernels.split_merge",
+                             {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16"},
+                             dict(NUM_SPLITS=8, BLOCK_S=8, BLOCK_D=64), True))
     return out
 
 

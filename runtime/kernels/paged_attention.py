@@ -34,6 +34,7 @@ from runtime.kernels.kv_store import (
     check_kv_scales,
     scales_per_token,
 )
+from runtime.kernels.split_merge import merge_splits_into
 
 SPLIT_MIN_TOKENS = 256  # a decode split covers at least this many cached tokens
 
@@ -245,14 +246,14 @@ class LaunchPlan:
         return (self.lse.stride(1), self.lse.stride(0)) if self.splits > 1 else (0, 0)
 
     def result(self) -> torch.Tensor:
-        """The output, split partial softmaxes merged."""
+        """The output, split partial softmaxes merged (one launch: ``split_merge``)."""
         if self.splits == 1:
             return self.out
-        return merge_splits(self.lse, self.target).to(self.out.dtype)
+        return merge_splits_into(self.lse, self.target, self.out)
 
 
 def merge_splits(lse: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
-    """Partial outputs ``[splits, T, H, D]`` weighted by their softmax mass (base-2 log-sum-exp
+    """The plain-torch definition of ``split_merge``'s kernel: partial outputs ``[splits, T, H, D]`` weighted by their softmax mass (base-2 log-sum-exp
     ``[splits, T, H]``), NaN-safe: a row no split saw a key for (a padded row, context 0) is zeros."""
     lse = lse * math.log(2.0)
     top = lse.amax(0, keepdim=True)

@@ -4,6 +4,7 @@ import torch
 from foundation.errors import KvslimError
 from runtime.attention.backend import reference_attention
 from runtime.kernels import paged_attention as pa
+from runtime.kernels.split_merge import merge_splits_into
 from tests.runtime.conftest import requires_gpu
 from tests.runtime.kernels.paged_setup import make_paged_batch
 
@@ -92,11 +93,27 @@ def test_a_row_with_context_0_is_zeros_not_nan(device, splits):
     torch.testing.assert_close(out[:2], alone, rtol=tol, atol=tol)
 
 
-def test_split_merge_of_rows_no_split_saw_is_zeros():
+def test_split_merge_of_rows_no_split_saw_is_zeros(device):
     lse = torch.tensor([[[float("-inf")], [1.0]], [[float("-inf")], [float("-inf")]]])  # [splits 2, T 2, H 1]
     partial = torch.ones(2, 2, 1, 4)
     merged = pa.merge_splits(lse, partial)
     assert torch.equal(merged[0], torch.zeros(1, 4)) and torch.equal(merged[1], torch.ones(1, 4))
+    out = merge_splits_into(lse.to(device), partial.to(device), torch.full((2, 1, 4), float("nan"), device=device))
+    assert torch.equal(out.cpu(), merged)
+
+
+@pytest.mark.parametrize("splits,D,dtype", [(2, 16, torch.float32), (5, 24, torch.float32),
+                                            pytest.param(8, 64, torch.bfloat16, marks=requires_gpu)])
+def test_split_merge_kernel_matches_its_torch_definition(device, splits, D, dtype):
+    """One launch for the merge (vLLM's v2 reduce): splits not a power of two, head_dim padded,
+    the output in q's dtype (bf16 on a GPU: the interpreter casts fp32 to bf16 wrongly), splits
+    that saw no key (-inf) among them."""
+    g = torch.Generator().manual_seed(splits)
+    lse = torch.randn(splits, 7, 3, generator=g) * 4
+    lse[0, 2] = float("-inf")
+    partial = torch.randn(splits, 7, 3, D, generator=g)
+    out = merge_splits_into(lse.to(device), partial.to(device), torch.empty(7, 3, D, dtype=dtype, device=device))
+    torch.testing.assert_close(out.cpu(), pa.merge_splits(lse, partial).to(dtype), rtol=1e-5, atol=1e-5)
 
 
 def test_shared_kv_layer_reads_the_owner_cache():
