@@ -54,8 +54,8 @@ def served_perplexity(model_dir: Path, config: dict, kv_dtype: str, ids: torch.T
     from foundation.perplexity import perplexity
 
     with served_engine(model_dir, config, kv_dtype, ctx) as engine:
-        return perplexity(lambda x: engine.score(x[0])[None], ids, text, context=ctx,
-                          stride=max(1, ctx // 2)).perplexity
+        return perplexity(None, ids, text, context=ctx, stride=max(1, ctx // 2),
+                          logprobs_fn=lambda x: engine.score_targets(x[0])).perplexity
 
 
 def served_retrieval(model_dir: Path, config: dict, kv_dtype: str, prompts: list, tokenizer,

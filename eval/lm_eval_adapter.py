@@ -204,6 +204,11 @@ class KvslimLM(TemplateLM):
         """``foundation.perplexity.LogitsFn``: logits ``[1, T, vocab]`` through the paged cache."""
         return self.engine.score(ids.flatten().tolist()).unsqueeze(0)
 
+    def logprobs_fn(self, ids: torch.Tensor) -> torch.Tensor:
+        """``foundation.perplexity.TargetLogprobsFn``: each next token's log-probability ``[T - 1]``
+        through the paged cache, without a ``[T, vocab]`` logits tensor."""
+        return self.engine.score_targets(ids.flatten().tolist())
+
 
 def register() -> type[KvslimLM]:
     """Register :class:`KvslimLM` as lm-eval model ``kvslim`` (idempotent).

@@ -28,7 +28,7 @@ from eval.retrieval_task import ANSWER_TOKENS, DEFAULT_CONTEXTS, RETRIEVAL_TASKS
 from eval.retrieval_task import score as retrieval_score
 from eval.task_pack import LM_EVAL_TASKS, PACK_VERSION, ensure_pack
 from foundation.errors import CheckpointError, KvslimError
-from foundation.perplexity import DEFAULT_CONTEXT, LogitsFn
+from foundation.perplexity import DEFAULT_CONTEXT, LogitsFn, TargetLogprobsFn
 
 # Docs per lm-eval task in a default run (the first N docs of the split). Chosen from measured
 # token counts (SmolLM2 tokenizer, tokens per doc summed over choices: hellaswag 176, arc_easy 133,
@@ -61,6 +61,7 @@ class EvalModel:
     lm: Any  # an lm_eval.api.model.LM
     logits_fn: LogitsFn
     tokenizer: Any
+    logprobs_fn: TargetLogprobsFn | None = None  # perplexity without a [T, vocab] tensor, where the backend can
 
 
 def remote_code_allowed(ckpt: Path) -> bool:
@@ -130,7 +131,7 @@ def load_kvslim(ckpt: Path, plan: "EvalPlan") -> EvalModel:
     lm = KvslimLM(pretrained=str(ckpt), batch_size=plan.batch_size, dtype=plan.dtype,
                   kv_cache_dtype=plan.kv_cache_dtype, min_length=max(plan.context, plan.longest_retrieval()),
                   device=plan.device, kernels=plan.kernels)
-    return EvalModel(lm=lm, logits_fn=lm.logits_fn, tokenizer=lm.tokenizer)
+    return EvalModel(lm=lm, logits_fn=lm.logits_fn, tokenizer=lm.tokenizer, logprobs_fn=lm.logprobs_fn)
 
 
 # backend name -> loader.
@@ -286,7 +287,7 @@ def lm_eval_scores(model: EvalModel, plan: EvalPlan) -> dict[str, TaskScore]:
 def _perplexity_scores(model: EvalModel, plan: EvalPlan) -> dict[str, TaskScore]:
     scores = {}
     for task in plan.perplexity_tasks():
-        r = run_perplexity_task(task, model.logits_fn, model.tokenizer, plan.perplexity_tokens)
+        r = run_perplexity_task(task, model.logits_fn, model.tokenizer, plan.perplexity_tokens, model.logprobs_fn)
         scores[task.name] = TaskScore(
             task=task.name,
             metric="perplexity",

@@ -17,6 +17,7 @@ from foundation.perplexity import (
     DEFAULT_CONTEXT,
     DEFAULT_STRIDE,
     LogitsFn,
+    TargetLogprobsFn,
     perplexity,
     tokenize_range,
 )
@@ -66,13 +67,15 @@ PERPLEXITY_TASKS: dict[str, PerplexityTask] = {
 }
 
 
-def run_perplexity_task(task: PerplexityTask, logits_fn: LogitsFn, tokenizer, max_tokens: int | None = None) -> dict:
+def run_perplexity_task(task: PerplexityTask, logits_fn: LogitsFn, tokenizer, max_tokens: int | None = None,
+                        logprobs_fn: TargetLogprobsFn | None = None) -> dict:
     """Perplexity of one entry as a results row: ``{"perplexity": .., "text": .., "num_tokens": ..}``.
 
     ``max_tokens`` (``--ppl-tokens``) overrides the entry's length; the row records what was used.
+    ``logprobs_fn``: scores instead of ``logits_fn`` (``foundation.perplexity``).
     """
     ids = task.token_ids(tokenizer, max_tokens or task.max_tokens)
-    r = perplexity(logits_fn, ids, task.text, context=task.context, stride=task.stride)
+    r = perplexity(logits_fn, ids, task.text, context=task.context, stride=task.stride, logprobs_fn=logprobs_fn)
     return {
         "perplexity": r.perplexity,
         "nll_sum": r.nll_sum,

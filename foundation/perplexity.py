@@ -12,6 +12,9 @@ from foundation.errors import KvslimError
 
 # input_ids [1, T] (int64) -> logits [1, T, vocab]
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+# input_ids [1, T] (int64) -> fp32 [T - 1]: log-probability of token t + 1 at position t (no [T, vocab]
+# tensor: what long contexts of large vocabularies need, e.g. Engine.score_targets)
+TargetLogprobsFn = Callable[[torch.Tensor], torch.Tensor]
 
 DEFAULT_CONTEXT = 512
 DEFAULT_STRIDE = 256
@@ -38,18 +41,21 @@ class PerplexityResult:
 
 @torch.no_grad()
 def perplexity(
-    logits_fn: LogitsFn,
+    logits_fn: LogitsFn | None,
     token_ids: torch.Tensor | list[int],
     text: str,
     context: int = DEFAULT_CONTEXT,
     stride: int = DEFAULT_STRIDE,
     progress: bool = False,
+    logprobs_fn: TargetLogprobsFn | None = None,
 ) -> PerplexityResult:
     """Sliding-window perplexity (the transformers recipe).
 
     Windows of ``context`` tokens start every ``stride`` tokens; each window scores only the tokens
     no earlier window scored, so every token after the first is scored exactly once, with at
     least ``context - stride`` tokens of left context (except in the first window).
+    ``logprobs_fn``, when given, scores each window instead of ``logits_fn`` (same numbers, no
+    window-sized logits tensor).
     """
     ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
     n = ids.numel()
@@ -63,8 +69,11 @@ def perplexity(
         end = min(begin + context, n)
         new = end - max(prev_end, begin + 1) if prev_end else end - begin - 1
         window = ids[begin:end].unsqueeze(0)
-        logits = logits_fn(window)[0, :-1]
-        tok_lp = target_logprobs(logits, window[0, 1:].to(logits.device))
+        if logprobs_fn is not None:
+            tok_lp = logprobs_fn(window)
+        else:
+            logits = logits_fn(window)[0, :-1]
+            tok_lp = target_logprobs(logits, window[0, 1:].to(logits.device))
         tok_lp = tok_lp[-new:] if new > 0 else tok_lp[:0]
         nll_sum -= float(tok_lp.sum())
         scored += int(tok_lp.numel())

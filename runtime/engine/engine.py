@@ -370,12 +370,34 @@ class Engine:
         paged cache (so quantized KV is read back as served), fed in ``pieces`` (token counts
         that sum to T; default: chunks of ``max_num_batched_tokens``, or of one block with int4/int2
         KV, so that every token reads what it would when decoded: earlier blocks quantized, its own
-        block exact; decoding, a block's last token reads its block-mates quantized). Call between steps; the sequence's blocks are freed before returning."""
+        block exact; decoding, a block's last token reads its block-mates quantized). Call between
+        steps; the sequence's blocks are freed before returning."""
+        out: torch.Tensor | None = None  # filled piece by piece: [T, vocab] is the big tensor here
+        for start, logits in self._score_pieces(token_ids, pieces):
+            if out is None:
+                out = logits.new_empty((len(token_ids), logits.shape[-1]))
+            out[start:start + logits.shape[0]] = logits
+        return out
+
+    def score_targets(self, token_ids: Sequence[int], pieces: Sequence[int] | None = None) -> torch.Tensor:
+        """fp32 ``[T - 1]``: the log-probability of token t + 1 at position t, as ``score`` computes
+        it, without its ``[T, vocab]`` tensor (34 GB at 32,768 positions of a 262k vocabulary)."""
+        from foundation.perplexity import target_logprobs
+
+        ids = torch.as_tensor([int(t) for t in token_ids], dtype=torch.long)
+        out = torch.empty(max(0, len(ids) - 1), dtype=torch.float32)
+        for start, logits in self._score_pieces(token_ids, pieces):
+            end = min(start + logits.shape[0], len(ids) - 1)  # the last position predicts nothing
+            if end > start:
+                out[start:end] = target_logprobs(logits[:end - start], ids[start + 1:end + 1].to(logits.device)).cpu()
+        return out
+
+    def _score_pieces(self, token_ids: Sequence[int], pieces: Sequence[int] | None):
+        """``(start, fp32 logits [n, vocab])`` of each piece of ``score``'s walk through the cache."""
         ids = [int(t) for t in token_ids]
         if not 0 < len(ids) <= self.max_model_len:
             raise KvslimError(f"score needs 1..{self.max_model_len} tokens, got {len(ids)}")
-        low_bit = any(g.bits for g in self.kv_spec.groups)
-        chunk = self.block_size if low_bit else self.config.max_num_batched_tokens
+        chunk = self.block_size if any(g.bits for g in self.kv_spec.groups) else self.config.max_num_batched_tokens
         sizes = list(pieces) if pieces is not None else [min(chunk, len(ids) - a) for a in range(0, len(ids), chunk)]
         if sum(sizes) != len(ids) or min(sizes) < 1:
             raise KvslimError(f"score: pieces {sizes} must be positive and sum to the {len(ids)} tokens")
@@ -383,7 +405,6 @@ class Engine:
         bm = self.block_manager
         if not bm.allocate(sid, bm.no_hit(), sizes[0]):
             raise KvslimError("score: no free KV blocks (the engine is busy)")
-        out: torch.Tensor | None = None  # filled piece by piece: [T, vocab] is the big tensor here
         try:
             start = 0
             for n in sizes:
@@ -394,14 +415,10 @@ class Engine:
                 self.backend.set_batch(batch)
                 step_ids = torch.tensor(ids[start:start + n], dtype=torch.long, device=self.device)
                 hidden = self.model(step_ids, batch.positions, self.backend)
-                logits = self.model.compute_logits(hidden)
-                if out is None:
-                    out = logits.new_empty((len(ids), logits.shape[-1]))
-                out[start:start + n] = logits
+                yield start, self.model.compute_logits(hidden)
                 start += n
         finally:
             bm.free(sid)
-        return out
 
     # --- offline API ---------------------------------------------------------------------------
     def stream(

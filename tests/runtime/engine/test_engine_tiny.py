@@ -210,6 +210,24 @@ def test_score_matches_core(tiny_checkpoints):
     torch.testing.assert_close(engine.score(ids), core.score(ids), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int4"])
+def test_target_logprobs_are_the_scores_without_the_logits_tensor(tiny_llama, kv_dtype):
+    """``score_targets``: each next token's log-probability, the very numbers perplexity takes
+    from ``score``'s logits (int4: scored a block at a time, as ``score``)."""
+    from foundation.perplexity import perplexity, target_logprobs
+
+    engine = Engine(load_model(tiny_llama, "float32"), EngineConfig(kv_dtype=kv_dtype, block_size=4,
+                                                                    max_num_batched_tokens=16, max_model_len=128,
+                                                                    kv_cache_bytes=2 << 20))
+    ids = prompts(1, seed=6, lo=50, hi=51)[0]
+    expected = target_logprobs(engine.score(ids)[:-1], torch.tensor(ids[1:]))
+    assert torch.equal(engine.score_targets(ids), expected)
+    assert engine.score_targets(ids[:1]).shape == (0,)
+    by_logits = perplexity(lambda x: engine.score(x[0])[None], ids, "t", context=24, stride=12)
+    by_targets = perplexity(None, ids, "t", context=24, stride=12, logprobs_fn=lambda x: engine.score_targets(x[0]))
+    assert by_targets == by_logits
+
+
 @pytest.mark.parametrize("kv_dtype,max_mean_err", [("int8", 0.02), ("fp8_e4m3", 0.05), ("bf16", 0.02)])
 def test_quantized_kv_stays_close(tiny_llama, kv_dtype, max_mean_err):
     model = load_model(tiny_llama, "float32")
