@@ -24,7 +24,7 @@ from eval.perplexity_task import (
     run_perplexity_task,
 )
 from eval.results_cache import EvalResults, TaskScore
-from eval.retrieval_task import ANSWER_TOKENS, DEFAULT_CONTEXTS, RETRIEVAL_TASKS, RetrievalTask
+from eval.retrieval_task import ANSWER_TOKENS, DEFAULT_CONTEXTS, DEFAULT_SAMPLES, RETRIEVAL_TASKS, RetrievalTask
 from eval.retrieval_task import score as retrieval_score
 from eval.task_pack import LM_EVAL_TASKS, PACK_VERSION, ensure_pack
 from foundation.errors import CheckpointError, KvslimError
@@ -154,12 +154,13 @@ class EvalPlan:
     device: str = "auto"  # the kvslim backend's placement (runtime.device)
     kernels: str = "auto"
     retrieval_contexts: tuple[int, ...] = DEFAULT_CONTEXTS  # prompt lengths of the retrieval tasks
+    retrieval_samples: int = DEFAULT_SAMPLES  # prompts per retrieval task, context and depth
 
     @classmethod
     def make(cls, tasks: list[str] | None, limit: int | None, perplexity_tokens: int | None, batch_size: int,
              dtype: str = "auto", kv_cache_dtype: str = "auto", context: int | None = None,
              text_file: str | None = None, device: str = "auto", kernels: str = "auto",
-             retrieval_contexts: tuple[int, ...] | None = None) -> "EvalPlan":
+             retrieval_contexts: tuple[int, ...] | None = None, retrieval_samples: int | None = None) -> "EvalPlan":
         """``tasks`` None: the whole pack, or only ``ppl_text`` when ``text_file`` is given."""
         if tasks:
             names = tuple(tasks)
@@ -179,13 +180,17 @@ class EvalPlan:
             raise KvslimError(f"--ctx must be >= 2, got {context}")
         if retrieval_contexts is not None and (not retrieval_contexts or min(retrieval_contexts) < 64):
             raise KvslimError(f"--retrieval-contexts must be token counts >= 64, got {list(retrieval_contexts)}")
+        if retrieval_samples is not None and retrieval_samples < 1:
+            raise KvslimError(f"--retrieval-samples must be >= 1, got {retrieval_samples}")
         limits = {t: min(limit or DEFAULT_LIMITS[t], LM_EVAL_TASKS[t].num_docs) for t in names if t in LM_EVAL_TASKS}
         return cls(names, limits, perplexity_tokens, batch_size, dtype, kv_cache_dtype,
                    context or DEFAULT_CONTEXT, str(Path(text_file).resolve()) if text_file else None, device, kernels,
-                   tuple(sorted(set(retrieval_contexts))) if retrieval_contexts else DEFAULT_CONTEXTS)
+                   tuple(sorted(set(retrieval_contexts))) if retrieval_contexts else DEFAULT_CONTEXTS,
+                   retrieval_samples or DEFAULT_SAMPLES)
 
     def retrieval_tasks(self) -> list[RetrievalTask]:
-        return [RetrievalTask(t, contexts=self.retrieval_contexts) for t in self.tasks if t in RETRIEVAL_TASKS]
+        return [RetrievalTask(t, contexts=self.retrieval_contexts, samples=self.retrieval_samples)
+                for t in self.tasks if t in RETRIEVAL_TASKS]
 
     def longest_retrieval(self) -> int:
         """Tokens a backend must hold for the longest retrieval prompt and its answer (0: none)."""
@@ -229,6 +234,8 @@ class EvalPlan:
             **({"kvslim_low_bit_read": 3 if EXACT_FIRST_BLOCK_BITS & set(low_bit) else 2} if low_bit else {}),
             **({"retrieval_contexts": list(self.retrieval_contexts), "retrieval_version": 1}
                if self.retrieval_tasks() else {}),
+            **({"retrieval_samples": self.retrieval_samples}
+               if self.retrieval_tasks() and self.retrieval_samples != DEFAULT_SAMPLES else {}),
             "pack_version": PACK_VERSION,
             "lm_eval": lm_eval.__version__,
             "transformers": transformers.__version__,

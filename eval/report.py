@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eval.perplexity_task import PERPLEXITY_TASKS
-from eval.retrieval_task import RETRIEVAL_TASKS
+from eval.retrieval_task import DEFAULT_SAMPLES, RETRIEVAL_TASKS
 from foundation.errors import KvslimError
 from foundation.kv_plan_file import planned_kv_dtype
 from foundation.quant_spec import QuantSpec
@@ -44,6 +44,7 @@ class ReportSettings:
     # Decode speed is measured with each of these activation dtypes and the fastest is reported;
     # auto is each checkpoint's fastest setting on this CPU by construction.
     decode_dtypes: tuple[str, ...] = ("auto",)
+    retrieval_samples: int | None = None  # prompts per retrieval task and depth (None: the pack's 4)
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,8 @@ def measure(name: str, ckpt: Path, s: ReportSettings, use_cache: bool = True,
     static = has_static_kv_scales(ckpt) and kv_dtype == served
     kv = report_variant(name, config, kv_dtype, s.kv_budget_bytes, s.context, static_scales=static)
     plan = EvalPlan.make(list(s.tasks), s.limit, s.perplexity_tokens, 8, s.dtype,
-                         kv_cache_dtype=kv_cache_dtype, context=s.context, retrieval_contexts=(s.context,))
+                         kv_cache_dtype=kv_cache_dtype, context=s.context, retrieval_contexts=(s.context,),
+                         retrieval_samples=s.retrieval_samples)
     results, _ = evaluate_cached(str(ckpt), plan, "kvslim", use_cache)
     ppl_name = next((t for t in s.tasks if t in PERPLEXITY_TASKS), None)
     ppl = results.scores[ppl_name] if ppl_name else None
@@ -235,7 +237,7 @@ def markdown_table(rows: list[CheckpointRow], s: ReportSettings) -> str:
         + (f"Accuracy: lm-eval 0-shot, {limit}, on kvslim's engine (`--backend kvslim`); "
            f"recovery = mean over tasks of accuracy / {base.name}'s." if tasks else "No lm-eval task."),
         *([f"- Retrieval (eval/retrieval_task.py): a fact stated once in a {s.context}-token prompt, at depths 0, 25, "
-           "50, 75 and 100% of it, asked for at its end; greedy through the kvslim engine with the row's KV cache as "
+           f"50, 75 and 100% of it ({s.retrieval_samples or DEFAULT_SAMPLES} prompts each), asked for at its end; greedy through the kvslim engine with the row's KV cache as "
            "served; accuracy = the first number answered is the key. Perplexity cannot see what a window or a "
            "coarse cache loses here."] if rows[0].retrieval else []),
         f"- Decode tok/s: kvslim engine, {s.decode_batch} concurrent requests, "

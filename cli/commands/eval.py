@@ -28,6 +28,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--retrieval-contexts", type=int, nargs="+", metavar="N",
                    help="prompt lengths in tokens of the retrieval tasks (default 1024 2048)")
+    p.add_argument("--retrieval-samples", type=int, metavar="N",
+                   help="prompts per retrieval task, length and depth (default 4: one miss is 25 points at a depth)")
     p.add_argument("--limit", type=int, help="docs per lm-eval task (default: fixed per-task limits, see BENCHMARKS.md)")
     p.add_argument("--ppl-tokens", type=int,
                    help="tokens per perplexity entry (default 8192 of a named text, all of a --text file)")
@@ -146,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         raise KvslimError("--device / --kernels apply to --backend kvslim")
     plan = EvalPlan.make(_task_list(args.tasks), args.limit, args.ppl_tokens, args.batch_size, args.dtype,
                          args.kv_cache_dtype, args.ctx, args.text, args.device, args.kernels,
-                         tuple(args.retrieval_contexts) if args.retrieval_contexts else None)
+                         tuple(args.retrieval_contexts) if args.retrieval_contexts else None, args.retrieval_samples)
     _check_json_path(args.json)
     ckpt = _checked_checkpoint(args.checkpoint, args.ctx)
     baseline = _checked_checkpoint(args.baseline, args.ctx) if args.baseline is not None else None

@@ -37,6 +37,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", type=int, default=2048,
                    help="the context every figure is at: KV bytes per token and capacity at this many tokens, "
                         "perplexity over windows of this many (stride half of it) (default 2048)")
+    p.add_argument("--retrieval-samples", type=int, metavar="N",
+                   help="prompts per retrieval task and depth (default 4: one miss is 25 points at a depth)")
     p.add_argument("--no-cache", action="store_true", help="re-run evals even when cached results exist")
     p.add_argument("-o", "--out", default="report", help="output directory (default ./report)")
     p.add_argument("--force", action="store_true", help="overwrite an existing output directory")
@@ -74,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
     names = names or [p.name for p in paths]
     settings = ReportSettings(tasks=tasks, limit=args.limit, perplexity_tokens=ppl_tokens,
                               kv_budget_bytes=int(args.kv_budget_gib * GIB), decode_batch=args.decode_batch,
-                              decode_new_tokens=args.decode_tokens, context=args.ctx)
+                              decode_new_tokens=args.decode_tokens, context=args.ctx,
+                              retrieval_samples=args.retrieval_samples)
     torch.set_num_threads(min(torch.get_num_threads(), 4))
     rows = []
     crossed = list(dict.fromkeys(args.kv_cache_dtypes))

@@ -1,4 +1,6 @@
 """Results JSON: written, parsed back, keyed by checkpoint content + settings."""
+import pytest
+
 from eval.results_cache import (
     EvalResults,
     TaskScore,
@@ -57,3 +59,17 @@ def test_a_low_bit_kv_format_change_is_a_new_cache_key():
 
     assert read("bf16") is None and read("int4") == 2
     assert read("int2") == read("int8/int2") == 3
+
+
+def test_retrieval_samples_reach_the_tasks_and_the_key():
+    """``--retrieval-samples``: prompts per depth (4 by default: a key unchanged for the default)."""
+    from eval.lm_eval_runner import EvalPlan
+    from foundation.errors import KvslimError
+
+    default = EvalPlan.make(["passkey"], None, None, 8)
+    more = EvalPlan.make(["passkey"], None, None, 8, retrieval_samples=20)
+    assert "retrieval_samples" not in default.settings() and more.settings()["retrieval_samples"] == 20
+    assert [t.samples for t in more.retrieval_tasks()] == [20]
+    assert "retrieval_samples" not in EvalPlan.make(["arc_easy"], None, None, 8, retrieval_samples=20).settings()
+    with pytest.raises(KvslimError, match="--retrieval-samples"):
+        EvalPlan.make(["passkey"], None, None, 8, retrieval_samples=0)
