@@ -1,4 +1,4 @@
-"""The serving engine: ``step()`` = schedule -> run the decoder on the paged cache -> postprocess.
+"""The serving engine: ``step()`` = schedule -> run the decoder (prepare, forward, sample) -> postprocess.
 
     engine = Engine.from_checkpoint("smollm2", EngineConfig(kv_dtype="fp8_e4m3"))
     outputs = engine.generate([prompt_ids, ...], SamplingParams(max_tokens=64))  # like LLM.generate
@@ -6,9 +6,9 @@
         ...
 
 The scheduler decides which sequences run and how many tokens each (continuous batching,
-chunked prefill, preemption); the block manager owns the block tables; this file turns a
-``SchedulerOutput`` into one flattened decoder call and samples the sequences that reached
-their last token. ``runtime/server/engine_adapter.py`` (``ThreadedEngine``) drives it from its
+chunked prefill, preemption); the block manager owns the block tables; the model runner
+(``model_runner``) turns a ``SchedulerOutput`` into one flattened decoder call (a CUDA graph or a
+compiled bucket for pure decode steps) and samples the sequences that reached their last token. ``runtime/server/engine_adapter.py`` (``ThreadedEngine``) drives it from its
 own thread for the asyncio server. Stop *strings* need text, so the caller that detokenizes
 checks them and calls ``abort``; stop token ids, EOS, ``max_tokens`` and ``max_model_len`` end
 requests here.
@@ -27,7 +27,6 @@ from foundation.attention_layout import AttentionLayout
 from foundation.checkpoint import Checkpoint
 from foundation.errors import KvslimError
 from foundation.kv_plan_file import planned_kv_dtype
-from runtime.attention.paged import PagedBatch
 from runtime.attention.registry import default_attention_backend, make_attention_backend
 from runtime.cache.kv_cache import KVCache, KVCacheSpec
 from runtime.cache.kv_quant import QUANT_DTYPES
@@ -35,16 +34,11 @@ from runtime.cache.low_bit_kv import default_block_size
 from runtime.device import Placement, cuda_kv_budget
 from runtime.device_choices import DEFAULT_GPU_MEMORY_UTILIZATION
 from runtime.engine.block_manager import BlockManager
-from runtime.engine.cuda_graphs import CudaDecodeGraphs, DecodeRow, DecodeShape
+from runtime.engine.cuda_graphs import CudaDecodeGraphs, DecodeShape
+from runtime.engine.model_runner import ModelRunner
 from runtime.engine.request import Request
-from runtime.engine.sampling import (
-    SamplingParams,
-    TokenLogprob,
-    make_generator,
-    sample,
-    token_logprobs,
-)
-from runtime.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
+from runtime.engine.sampling import SamplingParams, TokenLogprob, make_generator, token_logprobs
+from runtime.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from runtime.model.decode_graphs import DecodeGraphs
 from runtime.model.decoder import Decoder
 
@@ -164,14 +158,15 @@ class Engine:
         placement = model.placement
         backend = config.attention_backend or default_attention_backend(placement.kernels)
         options = {"use_triton": True} if backend == "triton" and placement.triton_interpreted else {}
-        self.backend = make_attention_backend(backend, self.cache, spec.all_attention_params(), **options)
+        attention = make_attention_backend(backend, self.cache, spec.all_attention_params(), **options)
         self.block_manager = BlockManager(num_blocks, self.block_size, self.kv_spec.windows, config.enable_prefix_caching,
                                           on_free=self.cache.release_block, sinks=self.kv_spec.sinks)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.block_manager
         )
-        self.graphs = DecodeGraphs(model, config.max_num_seqs) if config.compile_decode else None
-        self.cuda_graphs = self._cuda_graphs(backend)
+        self.runner = ModelRunner(model, attention, self.block_manager, self.block_size,
+                                  DecodeGraphs(model, config.max_num_seqs) if config.compile_decode else None)
+        self.runner.cuda_graphs = self._cuda_graphs(backend)
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -185,7 +180,28 @@ class Engine:
         if self.device.type != "cuda" or self.config.enforce_eager or backend != "triton":
             return None
         shape = DecodeShape(self.config.max_num_seqs, self.block_size, self.max_model_len, len(self.kv_spec.groups))
-        return CudaDecodeGraphs(self.model, self.backend, shape)
+        return CudaDecodeGraphs(self.model, self.runner.backend, shape)
+
+    # The runner's parts, as the engine's: tests and benchmarks swap or inspect them.
+    @property
+    def backend(self):
+        return self.runner.backend
+
+    @backend.setter
+    def backend(self, value) -> None:
+        self.runner.backend = value
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        return self.runner.graphs
+
+    @property
+    def cuda_graphs(self) -> CudaDecodeGraphs | None:
+        return self.runner.cuda_graphs
+
+    @cuda_graphs.setter
+    def cuda_graphs(self, value: CudaDecodeGraphs | None) -> None:
+        self.runner.cuda_graphs = value
 
     def _kv_budget(self) -> int:
         """Bytes for the block pools: the configured figure, else by device."""
@@ -257,13 +273,8 @@ class Engine:
     # --- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
-        """Schedule, run one decoder call, sample, postprocess. Returns outputs of the requests
-        that produced a token (or finished) this step.
-
-        Pure decode steps replay a CUDA graph per batch-size bucket on a GPU
-        (``runtime.engine.cuda_graphs``, unless ``enforce_eager``) or, with ``compile_decode``, run
-        the decoder compiled per bucket on the CPU (``runtime.model.decode_graphs``); prefill and
-        mixed steps run eagerly."""
+        """Schedule, run one decoder call and sample (``ModelRunner``), postprocess. Returns outputs
+        of the requests that produced a token (or finished) this step."""
         out = self.scheduler.schedule()
         self.stats.preemptions += len(out.preempted)
         if not out.scheduled:
@@ -278,17 +289,15 @@ class Engine:
         return [self._output(s.seq) for s in out.scheduled if s.samples]
 
     def _run(self, out: SchedulerOutput) -> dict[int, int]:
-        """Prepare the step's inputs, run the decoder (eager, compiled on the CPU or a replayed CUDA
-        graph for pure decode steps), then sample the sequences that reached their last token."""
+        """Run the decoder on the step's tokens (``ModelRunner``), score prompt tokens where asked,
+        then sample the sequences that reached their last token."""
         sched = out.scheduled
         starts = [0]
         for s in sched:
             starts.append(starts[-1] + s.num_new_tokens)
             if s.first_position < s.seq.num_prompt_tokens:
                 self.stats.prompt_tokens_computed += min(s.num_new_tokens, s.seq.num_prompt_tokens - s.first_position)
-        hidden = self._graphed_decode(sched)
-        if hidden is None:
-            hidden = self._eager_forward(sched)
+        hidden = self.runner.forward(sched, graphed=not any(s.seq.seq_id in self._prompt_logprobs for s in sched))
         for i, s in enumerate(sched):
             if s.seq.seq_id in self._prompt_logprobs:
                 self._score_prompt(s.seq, s.first_position, hidden[starts[i]:starts[i + 1]])
@@ -296,9 +305,8 @@ class Engine:
         if not rows:
             return {}
         last = hidden if len(rows) == hidden.shape[0] else hidden[[starts[i + 1] - 1 for i in rows]]
-        logits = self.model.compute_logits(last)
         seqs = [sched[i].seq for i in rows]
-        tokens, logprobs = sample(logits, [q.sampling for q in seqs], [self._generators[q.seq_id] for q in seqs])
+        tokens, logprobs = self.runner.sample(last, seqs, [self._generators[q.seq_id] for q in seqs])
         sampled = {}
         for seq, tok, lp in zip(seqs, tokens, logprobs):
             sampled[seq.seq_id] = tok
@@ -306,34 +314,6 @@ class Engine:
                 seq.output_logprobs.append(lp)
         self.stats.generated_tokens += len(seqs)
         return sampled
-
-    def _graphed_decode(self, sched: Sequence[ScheduledSeq]) -> torch.Tensor | None:
-        """Hidden states of a pure decode step replayed from a CUDA graph, or None where the step
-        is not one (a prefill chunk in it, prompt logprobs wanted, no graphs on this engine)."""
-        graphs = self.cuda_graphs
-        if graphs is None or len(sched) > graphs.shape.max_rows or any(
-                s.num_new_tokens != 1 or s.seq.seq_id in self._prompt_logprobs for s in sched):
-            return None
-        tables = self.block_manager.block_tables
-        return graphs.run([DecodeRow(s.seq.token_slice(s.first_position, s.first_position + 1)[0], s.first_position,
-                                     tables(s.seq.seq_id)) for s in sched])
-
-    def _eager_forward(self, sched: Sequence[ScheduledSeq]) -> torch.Tensor:
-        ids: list[int] = []
-        for s in sched:
-            ids.extend(s.seq.token_slice(s.first_position, s.first_position + s.num_new_tokens))
-        batch = PagedBatch.build(
-            self.block_size,
-            [s.first_position for s in sched],
-            [s.num_new_tokens for s in sched],
-            [self.block_manager.block_tables(s.seq.seq_id) for s in sched],
-            self.device,
-        )
-        self.backend.set_batch(batch)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        if self.graphs is not None and len(ids) == len(sched):  # a pure decode step, compiled on the CPU
-            return self.graphs.run(input_ids, batch.positions, self.backend)
-        return self.model(input_ids, batch.positions, self.backend)
 
     def _score_prompt(self, seq: Request, first: int, hidden: torch.Tensor) -> None:
         """Append the logprobs of the prompt tokens this chunk's rows predict (once each)."""
@@ -411,11 +391,7 @@ class Engine:
                 bm.release_window(sid, start)
                 if not bm.append(sid, start, start + n):
                     raise KvslimError("score: no free KV blocks (the engine is busy)")
-                batch = PagedBatch.build(self.block_size, [start], [n], [bm.block_tables(sid)], self.device)
-                self.backend.set_batch(batch)
-                step_ids = torch.tensor(ids[start:start + n], dtype=torch.long, device=self.device)
-                hidden = self.model(step_ids, batch.positions, self.backend)
-                yield start, self.model.compute_logits(hidden)
+                yield start, self.runner.score_piece(ids[start:start + n], start, bm.block_tables(sid))
                 start += n
         finally:
             bm.free(sid)
