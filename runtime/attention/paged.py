@@ -48,7 +48,7 @@ class PagedBatch:
     slot_mapping_host: tuple[torch.Tensor, ...] = ()  # ``slot_mapping`` as built on the host
     positions_host: torch.Tensor | None = None  # ``positions`` as built on the host
     # per int4/int2 group, the step's writes already planned and applied (a CUDA graph's per-row
-    # plans, ``WritePlan.per_row``); None: the backend's ``set_batch`` plans them
+    # plans, ``WritePlan.per_row_plan``); None: the backend's ``set_batch`` plans them
     write_plans: Mapping[int, WritePlan] | None = None
 
     def packed_writes(self, cache: KVCache) -> dict[int, WritePlan]:

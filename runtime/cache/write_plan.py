@@ -3,7 +3,7 @@
 A write's plan depends on its slots (and positions) alone, so the step's batch computes it once per
 cache group on the host (``PagedBatch.write_plan``) and the group's slot table fills in the slots its
 filled blocks held (``ResidualSlots.apply``), for every layer of the group. A CUDA graph replays
-fixed launch shapes, so its decode step takes the plan per row (``WritePlan.per_row``): one entry
+fixed launch shapes, so its decode step takes the plan per row (``WritePlan.per_row_plan``): one entry
 for each of the bucket's rows, in persistent buffers the step refills (``runtime.engine.cuda_graphs``).
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ with a split count fixed per bucket; each program reads only the keys its sequen
 
 Packed int4/int2 groups plan their writes on the host before each replay, as the eager step does
 in ``set_batch``: the group's slot table is updated and the plan written per row into persistent
-buffers (``PackedWriteInputs``, ``WritePlan.per_row``), whose kernels launch over every row of the
+buffers (``PackedWriteInputs``, ``WritePlan.per_row_plan``), whose kernels launch over every row of the
 bucket and skip the rows that fill or keep nothing.
 
 The captured forward creates no tensor from host data and reads nothing back: a sync inside a
@@ -74,7 +74,7 @@ def _buffers(size: tuple[int, ...], dtype: torch.dtype, fill: int, device: torch
 
 
 class PackedWriteInputs:
-    """One int4/int2 cache group's per-row write plan (``WritePlan.per_row``) in persistent buffers,
+    """One int4/int2 cache group's per-row write plan (``WritePlan.per_row_plan``) in persistent buffers,
     planned on the host and applied to the group's slot table before each replay."""
 
     def __init__(self, slots: ResidualSlots, exact_first_block: bool, shape: DecodeShape, device: torch.device):

@@ -91,7 +91,7 @@ def quantize_blocks_kernel(
     BITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, MIN_SCALE_: tl.constexpr,
 ):
     """Grid ``(num_blocks, kvh)``: program (i, h) quantizes head h of block ``blocks[i]`` (none where
-    negative: a per-row plan's, ``WritePlan.per_row``), whose row
+    negative: a per-row plan's, ``WritePlan.per_row_plan``), whose row
     at offset s is new row ``src[i, s]`` or, where that is negative, its row in residual slot
     ``full_slot[i]`` (the slot the block held before this step's write; none where negative).
     Byte p of a packed row holds channels ``p * PER + j``, j < PER, so each pass j reads one
