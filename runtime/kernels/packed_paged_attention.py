@@ -11,6 +11,7 @@ parameters, values with their per-token ones), in fp32. A layer that stores keys
 (``ROPE``; int2) has each cached key rotated at its position after dequantization, in fp32: the
 tile's channels and their rotate-half partners (channel ``(d + D/2) % D``, the same bit offset of
 byte ``(p + D/2/per) % (D/per)``) are both dequantized, and ``k cos +- k_partner sin`` taken.
+Where key tiles lie in one block, the loop reads codes only and the open blocks come after it.
 """
 from __future__ import annotations
 
@@ -93,6 +94,21 @@ def _rotate_keys(k, k_partner, offs_j, offs_d, d_ok, inv_freq_ptr, rope_scaling,
 
 
 @triton.jit
+def _residual_tile(k_residual_ptr, v_residual_ptr, res_rows, rows, offs_j, offs_d, d_ok, inv_freq_ptr, rope_scaling,
+                   HEAD_DIM: tl.constexpr, ROPE: tl.constexpr):
+    """fp32 keys and values ``[BLOCK_N, BLOCK_D]`` of an open block's ``rows`` (0 elsewhere), read
+    exact from its residual rows ``res_rows``; keys stored before RoPE rotated at ``offs_j``."""
+    mask = rows[:, None] & d_ok[None, :]
+    k = tl.load(k_residual_ptr + res_rows[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ROPE:
+        partner = (offs_d + HEAD_DIM // 2) % HEAD_DIM
+        kp = tl.load(k_residual_ptr + res_rows[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+        k = _rotate_keys(k, kp, offs_j, offs_d, d_ok, inv_freq_ptr, rope_scaling, HEAD_DIM // 2)
+    v = tl.load(v_residual_ptr + res_rows[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def packed_paged_attention_kernel(
     q_ptr, k_new_ptr, v_new_ptr, k_codes_ptr, v_codes_ptr, k_scale_ptr, k_min_ptr, v_scale_ptr, v_min_ptr,
     k_residual_ptr, v_residual_ptr, slot_of_ptr,
@@ -108,8 +124,11 @@ def packed_paged_attention_kernel(
 ):
     """Grid ``(S, cdiv(max_q_len, BLOCK_Q), KVH * NUM_SPLITS)``, as ``paged_attention_kernel``.
     ``TILE_IN_BLOCK`` (``block_size % BLOCK_N == 0``): key tiles start at multiples of
-    BLOCK_N, so each lies in one KV block, read whole from its residual or its codes with one row
-    of key parameters; otherwise every key of a tile is looked up on its own. ``FRESH``: keys at
+    BLOCK_N, so each lies in one KV block, read from its codes with one row of key parameters and
+    no branch in the loop: the cached rows of an open block are skipped there and attended after
+    it, from their residual rows. A sequence holds at most two blocks open (``check_open_blocks``):
+    block 0 where the layer keeps its first block exact, and its last cached block. Otherwise
+    every key of a tile is looked up on its own. ``FRESH``: keys at
     positions ``>= first_pos`` are read from ``k_new``/``v_new`` ``[T, KVH, D]`` (row ``q_start +
     j - first_pos``) instead of the cache; a tile may straddle ``first_pos``."""
     seq = tl.program_id(0)
@@ -150,34 +169,23 @@ def packed_paged_attention_kernel(
         else:
             cached = j_ok
         off = offs_j % block_size
-        if TILE_IN_BLOCK:
+        if TILE_IN_BLOCK:  # the tile's cached rows from codes; an open block's are read after the loop
             blk = tl.load(block_tables_ptr + seq * stride_bt + j0 // block_size).to(tl.int64)
-            rslot = tl.load(slot_of_ptr + blk)
-            if rslot >= 0:
-                res_rows = rslot * stride_rb + off * stride_rs + kvh * stride_rh
-                k = tl.load(k_residual_ptr + res_rows[:, None] + offs_d[None, :], mask=cached[:, None] & d_ok[None, :],
-                            other=0.0).to(tl.float32)
-                if ROPE:
-                    kp = tl.load(k_residual_ptr + res_rows[:, None] + offs_dr[None, :],
-                                 mask=cached[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-                    k = _rotate_keys(k, kp, offs_j, offs_d, d_ok, inv_freq_ptr, rope_scaling, HALF)
-                v = tl.load(v_residual_ptr + res_rows[:, None] + offs_d[None, :], mask=cached[:, None] & d_ok[None, :],
-                            other=0.0).to(tl.float32)
-            else:
-                code_base = blk * stride_cb + off * stride_cs + kvh * stride_ch
-                code_at = code_base[:, None] + offs_p[None, :]
-                c_mask = cached[:, None] & p_ok[None, :]
-                par_base = blk * stride_kpb + kvh * stride_kph
-                k = _closed_keys(k_codes_ptr, k_scale_ptr, k_min_ptr, code_base, par_base, offs_p, offs_d, cached,
-                                 p_ok, d_ok, BITS, BLOCK_N, BLOCK_D)
-                if ROPE:
-                    kp = _closed_keys(k_codes_ptr, k_scale_ptr, k_min_ptr, code_base, par_base, offs_pr, offs_dr,
-                                      cached, p_ok, d_ok, BITS, BLOCK_N, BLOCK_D)
-                    k = _rotate_keys(k, kp, offs_j, offs_d, d_ok, inv_freq_ptr, rope_scaling, HALF)
-                v_par = blk * stride_vpb + off * stride_vps + kvh
-                v = (_unpack(tl.load(v_codes_ptr + code_at, mask=c_mask, other=0), BITS, BLOCK_N, BLOCK_D)
-                     * tl.load(v_scale_ptr + v_par, mask=cached, other=0.0).to(tl.float32)[:, None]
-                     + tl.load(v_min_ptr + v_par, mask=cached, other=0.0).to(tl.float32)[:, None])
+            closed = cached & (tl.load(slot_of_ptr + blk) + tl.zeros_like(offs_j) < 0)
+            attend_ok = j_ok & (closed | ~cached)
+            code_base = blk * stride_cb + off * stride_cs + kvh * stride_ch
+            par_base = blk * stride_kpb + kvh * stride_kph
+            k = _closed_keys(k_codes_ptr, k_scale_ptr, k_min_ptr, code_base, par_base, offs_p, offs_d, closed,
+                             p_ok, d_ok, BITS, BLOCK_N, BLOCK_D)
+            if ROPE:
+                kp = _closed_keys(k_codes_ptr, k_scale_ptr, k_min_ptr, code_base, par_base, offs_pr, offs_dr,
+                                  closed, p_ok, d_ok, BITS, BLOCK_N, BLOCK_D)
+                k = _rotate_keys(k, kp, offs_j, offs_d, d_ok, inv_freq_ptr, rope_scaling, HALF)
+            v_par = blk * stride_vpb + off * stride_vps + kvh
+            v = (_unpack(tl.load(v_codes_ptr + code_base[:, None] + offs_p[None, :],
+                                 mask=closed[:, None] & p_ok[None, :], other=0), BITS, BLOCK_N, BLOCK_D)
+                 * tl.load(v_scale_ptr + v_par, mask=closed, other=0.0).to(tl.float32)[:, None]
+                 + tl.load(v_min_ptr + v_par, mask=closed, other=0.0).to(tl.float32)[:, None])
         else:
             blk = tl.load(block_tables_ptr + seq * stride_bt + offs_j // block_size, mask=cached, other=0).to(tl.int64)
             rslot = tl.load(slot_of_ptr + blk, mask=cached, other=-1)
@@ -198,6 +206,7 @@ def packed_paged_attention_kernel(
             v = vc * tl.load(v_scale_ptr + v_par, mask=closed, other=0.0).to(tl.float32)[:, None] \
                 + tl.load(v_min_ptr + v_par, mask=closed, other=0.0).to(tl.float32)[:, None]
             v = tl.where(opened[:, None], vr, v)
+            attend_ok = j_ok
         # The tile in q's dtype, as the dots read it, so that a fresh row is a masked load over it.
         k = k.to(q_ptr.dtype.element_ty)
         v = v.to(q_ptr.dtype.element_ty)
@@ -207,8 +216,28 @@ def packed_paged_attention_kernel(
             f_mask = fresh[:, None] & d_ok[None, :]
             k = tl.load(k_new_ptr + new_at, mask=f_mask, other=k)
             v = tl.load(v_new_ptr + new_at, mask=f_mask, other=v)
-        m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, offs_j, j_ok, q_pos, row_ok, sm_scale, softcap,
+        m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, offs_j, attend_ok, q_pos, row_ok, sm_scale, softcap,
                                      window, sinks, USE_WINDOW, USE_SINKS, USE_SOFTCAP)
+
+    if TILE_IN_BLOCK:  # the open blocks' cached rows: block 0 (an exact first block), the last cached block
+        cached_end = ctx
+        if FRESH:
+            cached_end = first_pos
+        last = tl.maximum(cached_end - 1, 0) // block_size
+        for i in range(0, 1 + (last > 0).to(tl.int32)):
+            b = i * last
+            blk = tl.load(block_tables_ptr + seq * stride_bt + b).to(tl.int64)  # -1: released by a window
+            rslot = tl.load(slot_of_ptr + tl.maximum(blk, 0))
+            if (blk >= 0) & (rslot >= 0) & (cached_end > 0):
+                for t in range(0, block_size // BLOCK_N):
+                    offs_j = b * block_size + t * BLOCK_N + tl.arange(0, BLOCK_N)
+                    rows = (offs_j < cached_end) & (((offs_j >= split_lo) & (offs_j < split_hi)) | (offs_j < sink_end))
+                    k, v = _residual_tile(k_residual_ptr, v_residual_ptr, rslot * stride_rb
+                                          + (offs_j % block_size) * stride_rs + kvh * stride_rh, rows, offs_j, offs_d,
+                                          d_ok, inv_freq_ptr, rope_scaling, HEAD_DIM, ROPE)
+                    m_i, l_i, acc = _attend_tile(q, k.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty),
+                                                 m_i, l_i, acc, offs_j, rows, q_pos, row_ok, sm_scale, softcap, window,
+                                                 sinks, USE_WINDOW, USE_SINKS, USE_SOFTCAP)
 
     _store_output(out_ptr, lse_ptr, acc, m_i, l_i, split, q_start, tok, head, row_ok, offs_d, d_ok,
                   stride_ot, stride_oh, stride_osplit, stride_lt, stride_lsplit, NUM_SPLITS)
@@ -230,6 +259,22 @@ def check_packed_rope(cache: PackedLayerCache, key_rope: KeyRope | None) -> None
         raise KvslimError(f"a key rope of {len(key_rope.inv_freq)} frequencies cannot rotate {cache.bits}-bit "
                           f"keys of head_dim {d} (needs head_dim / 2 frequencies, head_dim a multiple of "
                           f"{2 * (8 // cache.bits)})")
+
+
+def check_open_blocks(cache: PackedLayerCache, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                      query_start_loc: torch.Tensor, fresh: bool) -> None:
+    """Between its first and its last cached block no sequence holds an open block: the kernel's
+    key tiles read the open rows of those two blocks only (a sync: ``validate`` mode)."""
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    cached_blocks = -(-(context_lens - q_lens if fresh else context_lens) // cache.block_size)
+    b = torch.arange(block_tables.shape[1], device=block_tables.device)
+    between = (b[None, :] > 0) & (b[None, :] < cached_blocks[:, None] - 1)
+    opened = (block_tables >= 0) & (cache.slot_of[block_tables.long().clamp(min=0)] >= 0)
+    bad = (between & opened).nonzero()
+    if len(bad):
+        s, i = bad[0].tolist()
+        raise KvslimError(f"sequence {s}'s block {i} is open (it holds a residual slot) between its first and "
+                          f"last cached blocks; the packed attention kernel reads open rows of those two only")
 
 
 def _check_inputs(q, k, v, cache: PackedLayerCache, block_tables, context_lens, query_start_loc,
@@ -289,6 +334,8 @@ def packed_paged_attention(
     plan = plan_launch(q, kvh, S, max_query_len, max_context_len, num_splits)
     target = plan.target
     block_n, in_block = key_tile(res.shape[1], D)
+    if validate and in_block:
+        check_open_blocks(cache, block_tables, context_lens, query_start_loc, fresh)
     inv_freq = key_rope.inv_freq_on(q.device) if key_rope is not None else cache.slot_of
     stride_lt, stride_lsplit = plan.lse_strides
     packed_paged_attention_kernel[plan.grid](

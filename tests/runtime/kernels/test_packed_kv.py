@@ -211,6 +211,41 @@ def test_open_block_is_read_exactly_from_the_residual(device, block_size):
     torch.testing.assert_close(out.cpu(), exact, rtol=tol, atol=tol)
 
 
+def open_first_blocks(b) -> None:
+    """Give every sequence's block 0 a residual slot holding its exact rows, as a layer that keeps
+    its first block exact does (int2's attention sinks)."""
+    bs = b.cache.block_size
+    for s in range(len(b.k)):
+        slot = int(b.cache.slot_of.max()) + 1
+        b.cache.slot_of[b.block_tables[s, 0].long()] = slot
+        n = min(bs, len(b.k[s]))
+        b.cache.k_residual[slot, :n] = b.k[s][:n].to(b.cache.k_residual)
+        b.cache.v_residual[slot, :n] = b.v[s][:n].to(b.cache.v_residual)
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("window,sinks,splits", [(None, 0, None), (None, 0, 3), (40, 4, 2)])
+def test_open_first_and_last_blocks_are_read_after_the_loop(device, bits, window, sinks, splits):
+    """Whole-block tiles read codes only; block 0 and the last cached block, both open, come from
+    their residual rows after the loop: in every split, beside the step's own rows or without them."""
+    ctx, qlen = [75, 1, 40, 16], [11, 1, 1, 1]  # a cached partial block, a one-block sequence, decodes
+    b = make_packed_batch(ctx, qlen, 4, 2, 16, bits, 16, device=device, store=pks.store_packed_kv)
+    open_first_blocks(b)
+    kw = dict(scale=0.25, window=window, sinks=sinks)
+    tol = 1e-2 if device.type == "cuda" else 1e-5
+    for k, v in ((b.k_new, b.v_new), (None, None)):
+        args = (b.q, k, v, *b.args()[3:])
+        out = ppa.packed_paged_attention(*args, num_splits=splits, **kw)
+        torch.testing.assert_close(out, ppa.reference_packed_paged_attention(*args, **kw), rtol=tol, atol=tol)
+
+
+def test_an_open_block_between_the_first_and_last_is_refused(device):
+    b = make_packed_batch([70], [1], 4, 2, 16, 4, 16, device=device, store=pks.store_packed_kv)
+    b.cache.slot_of[b.block_tables[0, 2].long()] = int(b.cache.slot_of.max()) + 1
+    with pytest.raises(KvslimError, match="sequence 0's block 2 is open"):
+        ppa.packed_paged_attention(*b.args(), scale=0.25)
+
+
 # first_pos mid-block and mid key tile: block 4 looks keys up one by one, block 16 reads 16-key
 # tiles of one block. A prefill chunk after earlier steps (its first tile straddles first_pos,
 # the block it fills mid-chunk read from codes below first_pos and exact above) and decodes
