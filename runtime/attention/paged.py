@@ -23,6 +23,7 @@ from runtime.attention.backend import AttentionParams
 from runtime.attention.key_rope import KeyRope, StepKeyRotary
 from runtime.cache.kv_cache import RELEASED, KVCache, sink_block_count
 from runtime.cache.write_plan import WritePlan
+from runtime.transfer import to_device_at_once
 
 
 @dataclass(frozen=True)
@@ -84,30 +85,33 @@ class PagedBatch:
         positions = torch.cat([torch.arange(p, p + n, device=host) for p, n in zip(first_positions, query_lens)])
         seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens), device=host),
                                                torch.tensor(query_lens, device=host))
-        block_tables, slot_mapping, slot_mapping_host = [], [], []
+        block_tables, slot_mapping = [], []
         for g in range(num_groups):
             width = max(len(t[g]) for t in tables)
             bt = torch.zeros(len(tables), width, dtype=torch.int32, device=host)
             for i, t in enumerate(tables):
                 row = torch.tensor(t[g], dtype=torch.int32, device=host)
                 bt[i, : len(row)] = row.clamp_min(0) if RELEASED in t[g] else row
-            slots = bt[seq_of_token, positions // block_size].long() * block_size + positions % block_size
-            block_tables.append(bt.to(device))
-            slot_mapping.append(slots.to(device))
-            slot_mapping_host.append(slots)
+            block_tables.append(bt)
+            slot_mapping.append(bt[seq_of_token, positions // block_size].long() * block_size + positions % block_size)
         decode = [i for i, n in enumerate(query_lens) if n == 1]
+        on_host = [positions, torch.tensor(starts, dtype=torch.int32),
+                   torch.tensor([p + n for p, n in zip(first_positions, query_lens)], dtype=torch.int32),
+                   torch.tensor(decode, dtype=torch.long), torch.tensor([starts[i] for i in decode], dtype=torch.long),
+                   *block_tables, *slot_mapping]
+        dev = to_device_at_once(on_host, torch.device(device))  # one copy to a GPU
         return cls(
             block_size=block_size,
             query_lens=tuple(query_lens),
             first_positions=tuple(first_positions),
-            positions=positions.to(device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            context_lens=torch.tensor([p + n for p, n in zip(first_positions, query_lens)], dtype=torch.int32, device=device),
-            block_tables=tuple(block_tables),
-            slot_mapping=tuple(slot_mapping),
-            decode_seqs=torch.tensor(decode, dtype=torch.long, device=device),
-            decode_rows=torch.tensor([starts[i] for i in decode], dtype=torch.long, device=device),
-            slot_mapping_host=tuple(slot_mapping_host),
+            positions=dev[0],
+            query_start_loc=dev[1],
+            context_lens=dev[2],
+            block_tables=tuple(dev[5:5 + num_groups]),
+            slot_mapping=tuple(dev[5 + num_groups:]),
+            decode_seqs=dev[3],
+            decode_rows=dev[4],
+            slot_mapping_host=tuple(slot_mapping),
             positions_host=positions,
         )
 

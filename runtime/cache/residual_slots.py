@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from foundation.errors import KvslimError
-from runtime.cache.write_plan import WritePlan, to_device
+from runtime.cache.write_plan import WritePlan
+from runtime.transfer import to_device
 
 
 class ResidualSlots:

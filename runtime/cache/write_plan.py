@@ -12,11 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``; to CUDA from pinned memory, so the copy queues behind the
-    step's work instead of waiting for it."""
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+from runtime.transfer import to_device_at_once
 
 
 @dataclass(frozen=True)
@@ -74,5 +70,5 @@ class WritePlan:
         src[torch.searchsorted(full, blocks[fills]), offsets[fills]] = fills.nonzero().squeeze(1)
         kept = blocks[positions.cpu() < bs].unique() if positions is not None else blocks[:0]
         stays = ~fills | torch.isin(blocks, kept)
-        return cls(to_device(full, device), to_device(src, device), to_device(stays, device), tuple(full.tolist()),
+        return cls(*to_device_at_once((full, src, stays), device), tuple(full.tolist()),
                    tuple(blocks[stays].unique().tolist()), tuple(full[~torch.isin(full, kept)].tolist()))

@@ -7,10 +7,10 @@
 A small model's decode step is ~1,000 kernel launches: from Python each costs tens of microseconds
 of host time, replayed from a graph a few. Every input a step reads lives in a persistent device
 buffer (``DecodeInputs``) sized for the largest bucket; a step writes the buffers' pinned host
-mirrors and copies each with one non-blocking copy, then replays the graph of the smallest bucket
-(1, 2, 4, 8, 16, 24, ... up to ``max_rows``) that holds its rows. Padded rows write nowhere (slot
--1) and read nothing (context 0: the attention kernel yields zeros for them and the split merge
-stays NaN-free). The attention kernels are launched for the longest context (``max_model_len``)
+mirrors, all views of one arena (``StepBuffers``), copies them with one non-blocking copy, then
+replays the graph of the smallest bucket (1, 2, 4, 8, 16, 24, ... up to ``max_rows``) that holds
+its rows. Padded rows write nowhere (slot -1) and read nothing (context 0: the attention kernel
+yields zeros for them and the split merge stays NaN-free). The attention kernels are launched for the longest context (``max_model_len``)
 with a split count fixed per bucket; each program reads only the keys its sequence holds.
 
 Packed int4/int2 groups plan their writes on the host before each replay, as the eager step does
@@ -35,6 +35,7 @@ from runtime.attention.paged import PagedBatch
 from runtime.cache.kv_cache import KVCache
 from runtime.cache.residual_slots import ResidualSlots
 from runtime.cache.write_plan import WritePlan
+from runtime.engine.step_buffers import StepBuffers
 
 
 def graph_buckets(max_rows: int) -> tuple[int, ...]:
@@ -67,29 +68,22 @@ class DecodeRow:
     tables: Sequence[Sequence[int]]  # released window blocks are -1
 
 
-def _buffers(size: tuple[int, ...], dtype: torch.dtype, fill: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A host mirror (pinned for CUDA) and its persistent device buffer, both ``fill``."""
-    host = torch.full(size, fill, dtype=dtype, pin_memory=device.type == "cuda")
-    return host, host.to(device)
-
-
 class PackedWriteInputs:
     """One int4/int2 cache group's per-row write plan (``WritePlan.per_row_plan``) in persistent buffers,
     planned on the host and applied to the group's slot table before each replay."""
 
-    def __init__(self, slots: ResidualSlots, exact_first_block: bool, shape: DecodeShape, device: torch.device):
+    def __init__(self, slots: ResidualSlots, exact_first_block: bool, shape: DecodeShape, buffers: StepBuffers):
         n, bs = shape.max_rows, shape.block_size
         self.slots, self.exact_first_block, self.block_size = slots, exact_first_block, bs
-        self._full = _buffers((n,), torch.long, -1, device)
-        self._src = _buffers((n, bs), torch.long, -1, device)
-        self._stays = _buffers((n,), torch.bool, 0, device)
-        self._full_slots = _buffers((n,), torch.long, -1, device)
-        self._pairs = (self._full, self._src, self._stays, self._full_slots)
+        self.buffers = buffers
+        self._full, self._src = buffers.add((n,), torch.long, -1), buffers.add((n, bs), torch.long, -1)
+        self._stays, self._full_slots = buffers.add((n,), torch.bool, False), buffers.add((n,), torch.long, -1)
 
     def fill(self, slots: np.ndarray, positions: np.ndarray, bucket: int) -> None:
         """Plan the write of ``slots`` (the real rows; their ``positions``), apply it to the slot
-        table, and write it per row, padded to ``bucket``."""
-        full, src, stays, full_slots = (host[:bucket] for host, _ in self._pairs)
+        table, and write it per row on the host, padded to ``bucket``."""
+        b = self.buffers
+        full, src, stays, full_slots = (b.host(h)[:bucket] for h in (self._full, self._src, self._stays, self._full_slots))
         if len(slots):
             kept = torch.from_numpy(positions.copy()) if self.exact_first_block else None
             plan = self.slots.apply(WritePlan.of(torch.from_numpy(slots.copy()), self.block_size, "cpu", kept))
@@ -97,50 +91,50 @@ class PackedWriteInputs:
             full.copy_(rows.full), src.copy_(rows.src), stays.copy_(rows.stays), full_slots.copy_(rows.full_slots)
         else:
             full.fill_(-1), src.fill_(-1), stays.fill_(False), full_slots.fill_(-1)
-        for host, dev in self._pairs:
-            dev.copy_(host, non_blocking=True)
 
     def plan(self, bucket: int) -> WritePlan:
         """The first ``bucket`` rows' plan (views of the device buffers; ``set_batch`` applies nothing)."""
-        return WritePlan(full=self._full[1][:bucket], src=self._src[1][:bucket], stays=self._stays[1][:bucket],
-                         full_blocks=(), open_blocks=(), closed_blocks=(), full_slots=self._full_slots[1][:bucket],
+        dev = self.buffers.device
+        return WritePlan(full=dev(self._full)[:bucket], src=dev(self._src)[:bucket], stays=dev(self._stays)[:bucket],
+                         full_blocks=(), open_blocks=(), closed_blocks=(), full_slots=dev(self._full_slots)[:bucket],
                          refills=True, per_row=True)
 
 
 class DecodeInputs:
-    """The persistent device buffers one decode step reads, and their pinned host mirrors."""
+    """The persistent device buffers one decode step reads, and their pinned host mirrors, in one
+    arena (``StepBuffers``): a step's inputs reach the device in one copy."""
 
     def __init__(self, shape: DecodeShape, device: torch.device, cache: KVCache | None = None):
         """``cache``: the engine's, whose int4/int2 groups get per-row write plans (``PackedWriteInputs``)."""
         self.shape = shape
         n, g, w = shape.max_rows, shape.num_groups, shape.table_width
-        self._ids = _buffers((n,), torch.long, 0, device)
-        self._positions = _buffers((n,), torch.long, 0, device)
-        self._context_lens = _buffers((n,), torch.int32, 0, device)
-        self._slots = [_buffers((n,), torch.long, -1, device) for _ in range(g)]
-        self._tables = [_buffers((n, w), torch.int32, 0, device) for _ in range(g)]
+        self.buffers = b = StepBuffers(device)
+        self._ids, self._positions = b.add((n,), torch.long, 0), b.add((n,), torch.long, 0)
+        self._context_lens = b.add((n,), torch.int32, 0)
+        self._slots = [b.add((n,), torch.long, -1) for _ in range(g)]
+        self._tables = [b.add((n, w), torch.int32, 0) for _ in range(g)]
+        slots = cache.residual_slots if cache is not None else ()
+        self._packed = {i: PackedWriteInputs(s, cache.spec.groups[i].exact_first_block, shape, b)
+                        for i, s in enumerate(slots) if s is not None}
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # one token per row
         self.rows = torch.arange(n, dtype=torch.long, device=device)
-        self._pairs = [self._ids, self._positions, self._context_lens, *self._slots, *self._tables]
-        # numpy views of the host mirrors, made once: a step writes them without touching torch
+        # numpy views of the host side, made once: a step writes them without touching torch
         self._np_ids, self._np_positions, self._np_context_lens = (
-            p[0].numpy() for p in (self._ids, self._positions, self._context_lens))
-        self._np_slots = [s[0].numpy() for s in self._slots]
-        self._np_tables = [t[0].numpy() for t in self._tables]
-        slots = cache.residual_slots if cache is not None else ()
-        self._packed = {i: PackedWriteInputs(s, cache.spec.groups[i].exact_first_block, shape, device)
-                        for i, s in enumerate(slots) if s is not None}
+            b.host(h).numpy() for h in (self._ids, self._positions, self._context_lens))
+        self._np_slots = [b.host(h).numpy() for h in self._slots]
+        self._np_tables = [b.host(h).numpy() for h in self._tables]
 
     @property
     def ids(self) -> torch.Tensor:
-        return self._ids[1]
+        return self.buffers.device(self._ids)
 
     @property
     def positions(self) -> torch.Tensor:
-        return self._positions[1]
+        return self.buffers.device(self._positions)
 
     def fill(self, rows: Sequence[DecodeRow], bucket: int) -> None:
-        """Write ``rows`` then padding up to ``bucket`` on the host, and copy to the device."""
+        """Write ``rows`` then padding up to ``bucket`` on the host (packed write plans too), and
+        copy them to the device at once."""
         bs = self.shape.block_size
         ids, pos, ctx = self._np_ids, self._np_positions, self._np_context_lens
         slots, tables = self._np_slots, self._np_tables
@@ -155,10 +149,9 @@ class DecodeInputs:
         for g in range(self.shape.num_groups):
             slots[g][n:bucket] = -1
             tables[g][:bucket].clip(min=0, out=tables[g][:bucket])  # released window blocks are never read
-        for host, dev in self._pairs:
-            dev.copy_(host, non_blocking=True)
         for g, packed in self._packed.items():
             packed.fill(slots[g][:n], pos[:n], bucket)
+        self.buffers.copy_to_device()
 
     def pad_all(self) -> None:
         """Every row padding (what a capture runs on: it writes and reads nothing)."""
@@ -166,15 +159,16 @@ class DecodeInputs:
 
     def batch(self, bucket: int) -> PagedBatch:
         """The first ``bucket`` rows as the attention backends' step metadata (views)."""
+        dev = self.buffers.device
         return PagedBatch(
             block_size=self.shape.block_size,
             query_lens=(1,) * bucket,
             first_positions=(0,) * bucket,  # unused by the kernel backend: it reads context_lens
             positions=self.positions[:bucket],
             query_start_loc=self.query_start_loc[:bucket + 1],
-            context_lens=self._context_lens[1][:bucket],
-            block_tables=tuple(t[1][:bucket] for t in self._tables),
-            slot_mapping=tuple(s[1][:bucket] for s in self._slots),
+            context_lens=dev(self._context_lens)[:bucket],
+            block_tables=tuple(dev(t)[:bucket] for t in self._tables),
+            slot_mapping=tuple(dev(h)[:bucket] for h in self._slots),
             decode_seqs=self.rows[:bucket],
             decode_rows=self.rows[:bucket],
             write_plans={g: packed.plan(bucket) for g, packed in self._packed.items()},

@@ -2,7 +2,7 @@
 the step's inputs and attention metadata, the forward, then logits and sampling outside it.
 
 A pure decode step replays a CUDA graph per batch-size bucket on a GPU (``runtime.engine.cuda_graphs``:
-persistent input buffers filled from the host, one copy each) or, with ``compile_decode``, runs the
+persistent input buffers filled on the host, then copied at once) or, with ``compile_decode``, runs the
 decoder compiled per bucket on the CPU (``runtime.model.decode_graphs``); prefill and mixed steps
 run eagerly over ``PagedBatch.build``'s metadata (built on the host, copied to the device once).
 """
