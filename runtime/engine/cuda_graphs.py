@@ -14,9 +14,10 @@ yields zeros for them and the split merge stays NaN-free). The attention kernels
 with a split count fixed per bucket; each program reads only the keys its sequence holds.
 
 Packed int4/int2 groups plan their writes on the host before each replay, as the eager step does
-in ``set_batch``: the group's slot table is updated and the plan written per row into persistent
-buffers (``PackedWriteInputs``, ``WritePlan.per_row_plan``), whose kernels launch over every row of the
-bucket and skip the rows that fill or keep nothing.
+in ``set_batch``: the group's slot table is updated (its changed entries reach the device in a copy
+of their own, ``ResidualSlots``) and the plan written per row into the arena (``PackedWriteInputs``,
+``WritePlan.per_row_plan``), whose kernels launch over every row of the bucket and skip the rows
+that fill or keep nothing.
 
 The captured forward creates no tensor from host data and reads nothing back: a sync inside a
 capture is an error on CUDA, and ``tests/runtime/engine/test_cuda_graphs.py`` records it on the
