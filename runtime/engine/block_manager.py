@@ -199,9 +199,12 @@ class BlockManager:
         missing = []
         for g, pool in enumerate(self.pools):
             table = tables[g]
-            start = self._live_start(g, first_new)
-            live = [*range(min(self.sink_blocks[g], start)), *range(start, end)]
-            need = [b for b in live if b >= len(table) or table[b] == RELEASED]
+            if self.windows[g] is None:  # a full-attention table only grows: O(1) a decode step
+                need = list(range(len(table), end))
+            else:  # the sinks and the window, bounded by the window's blocks
+                start = self._live_start(g, first_new)
+                live = [*range(min(self.sink_blocks[g], start)), *range(start, end)]
+                need = [b for b in live if b >= len(table) or table[b] == RELEASED]
             if len(need) > pool.num_free:
                 return False
             missing.append(need)
