@@ -14,18 +14,18 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
-def packed(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
-    """The tensors' bytes in one uint8 buffer, and where each starts (a multiple of ``ALIGN``)."""
-    parts, offsets, end = [], [], 0
-    for t in tensors:
-        raw = t.contiguous().reshape(-1).view(torch.uint8)
+def packed(tensors: Sequence[torch.Tensor], pin: bool = False) -> tuple[torch.Tensor, list[int]]:
+    """The tensors' bytes in one uint8 host buffer (pinned if ``pin``), and where each starts (a
+    multiple of ``ALIGN``); each tensor's bytes are copied once, straight into their slice."""
+    raws = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    offsets, end = [], 0
+    for raw in raws:
         offsets.append(end)
-        parts.append(raw)
-        pad = -raw.numel() % ALIGN
-        if pad:
-            parts.append(torch.zeros(pad, dtype=torch.uint8))
-        end += raw.numel() + pad
-    return (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)), offsets
+        end += -(-raw.numel() // ALIGN) * ALIGN
+    buffer = torch.zeros(end, dtype=torch.uint8, device="cpu", pin_memory=pin)
+    for raw, o in zip(raws, offsets):
+        buffer[o:o + raw.numel()].copy_(raw)
+    return buffer, offsets
 
 
 def unpacked(buffer: torch.Tensor, offsets: Sequence[int], like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -38,5 +38,5 @@ def to_device_at_once(tensors: Sequence[torch.Tensor], device: torch.device) -> 
     buffer, each then a view of its device copy (on the CPU: the tensors themselves)."""
     if device.type != "cuda":
         return [t.to(device) for t in tensors]
-    buffer, offsets = packed(tensors)
-    return unpacked(to_device(buffer, device), offsets, tensors)
+    buffer, offsets = packed(tensors, pin=True)
+    return unpacked(buffer.to(device, non_blocking=True), offsets, tensors)

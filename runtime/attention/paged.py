@@ -95,9 +95,10 @@ class PagedBatch:
             block_tables.append(bt)
             slot_mapping.append(bt[seq_of_token, positions // block_size].long() * block_size + positions % block_size)
         decode = [i for i, n in enumerate(query_lens) if n == 1]
-        on_host = [positions, torch.tensor(starts, dtype=torch.int32),
-                   torch.tensor([p + n for p, n in zip(first_positions, query_lens)], dtype=torch.int32),
-                   torch.tensor(decode, dtype=torch.long), torch.tensor([starts[i] for i in decode], dtype=torch.long),
+        on_host = [positions, torch.tensor(starts, dtype=torch.int32, device=host),
+                   torch.tensor([p + n for p, n in zip(first_positions, query_lens)], dtype=torch.int32, device=host),
+                   torch.tensor(decode, dtype=torch.long, device=host),
+                   torch.tensor([starts[i] for i in decode], dtype=torch.long, device=host),
                    *block_tables, *slot_mapping]
         dev = to_device_at_once(on_host, torch.device(device))  # one copy to a GPU
         return cls(

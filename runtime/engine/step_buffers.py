@@ -23,21 +23,22 @@ class StepBuffers:
         All buffers are reserved before the first ``host`` or ``device`` view."""
         if self._host is not None:
             raise RuntimeError("StepBuffers: every buffer is reserved before the arena is made")
-        nbytes = torch.Size(size).numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = torch.Size(size).numel() * dtype.itemsize
         self._specs.append((self._size, tuple(size), dtype, fill))
         self._size += -(-nbytes // ALIGN) * ALIGN
         return len(self._specs) - 1
 
     def _arena(self) -> None:
         if self._host is None:
-            self._host = torch.zeros(max(self._size, ALIGN), dtype=torch.uint8, pin_memory=self.target.type == "cuda")
+            self._host = torch.zeros(max(self._size, ALIGN), dtype=torch.uint8, device="cpu",
+                                     pin_memory=self.target.type == "cuda")
             for h in range(len(self._specs)):
                 self.host(h).fill_(self._specs[h][3])
             self._dev = self._host.to(self.target)
 
     def _view(self, arena: torch.Tensor, handle: int) -> torch.Tensor:
         offset, size, dtype, _ = self._specs[handle]
-        nbytes = torch.Size(size).numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = torch.Size(size).numel() * dtype.itemsize
         return arena[offset:offset + nbytes].view(dtype).view(size)
 
     def host(self, handle: int) -> torch.Tensor:
