@@ -10,8 +10,9 @@ buffer (``DecodeInputs``) sized for the largest bucket; a step writes the buffer
 mirrors, all views of one arena (``StepBuffers``), copies them with one non-blocking copy, then
 replays the graph of the smallest bucket (1, 2, 4, 8, 16, 24, ... up to ``max_rows``) that holds
 its rows. Padded rows write nowhere (slot -1) and read nothing (context 0: the attention kernel
-yields zeros for them and the split merge stays NaN-free). The attention kernels are launched for the longest context (``max_model_len``)
-with a split count fixed per bucket; each program reads only the keys its sequence holds.
+yields zeros for them and the split merge stays NaN-free). The attention kernels are launched for
+the longest context (``max_model_len``) with a split count fixed per bucket; each program reads
+only the keys its sequence holds.
 
 Packed int4/int2 groups plan their writes on the host before each replay, as the eager step does
 in ``set_batch``: the group's slot table is updated (its changed entries reach the device in a copy
@@ -84,7 +85,8 @@ class PackedWriteInputs:
         """Plan the write of ``slots`` (the real rows; their ``positions``), apply it to the slot
         table, and write it per row on the host, padded to ``bucket``."""
         b = self.buffers
-        full, src, stays, full_slots = (b.host(h)[:bucket] for h in (self._full, self._src, self._stays, self._full_slots))
+        handles = (self._full, self._src, self._stays, self._full_slots)
+        full, src, stays, full_slots = (b.host(h)[:bucket] for h in handles)
         if len(slots):
             kept = torch.from_numpy(positions.copy()) if self.exact_first_block else None
             plan = self.slots.apply(WritePlan.of(torch.from_numpy(slots.copy()), self.block_size, "cpu", kept))

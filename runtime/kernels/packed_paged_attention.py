@@ -226,7 +226,8 @@ def packed_paged_attention_kernel(
         last = tl.maximum(cached_end - 1, 0) // block_size
         for i in range(0, 1 + (last > 0).to(tl.int32)):
             b = i * last
-            blk = tl.load(block_tables_ptr + seq * stride_bt + b).to(tl.int64)  # -1: released by a window
+            # a block a window released is -1 here, or 0 from a batch: `rows` and the window leave it unread
+            blk = tl.load(block_tables_ptr + seq * stride_bt + b).to(tl.int64)
             rslot = tl.load(slot_of_ptr + tl.maximum(blk, 0))
             if (blk >= 0) & (rslot >= 0) & (cached_end > 0):
                 for t in range(0, block_size // BLOCK_N):
@@ -262,13 +263,19 @@ def check_packed_rope(cache: PackedLayerCache, key_rope: KeyRope | None) -> None
 
 
 def check_open_blocks(cache: PackedLayerCache, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                      query_start_loc: torch.Tensor, fresh: bool) -> None:
-    """Between its first and its last cached block no sequence holds an open block: the kernel's
-    key tiles read the open rows of those two blocks only (a sync: ``validate`` mode)."""
+                      query_start_loc: torch.Tensor, fresh: bool, window: int | None = None, sinks: int = 0) -> None:
+    """Between its first and its last cached block no sequence holds an open block that it reads:
+    the kernel's key tiles read the open rows of those two only (a sync: ``validate`` mode). With a
+    ``window``, blocks wholly before the earliest query's window (past the sinks) are not read: a
+    window may have released them, and the batch points such entries at block 0."""
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     cached_blocks = -(-(context_lens - q_lens if fresh else context_lens) // cache.block_size)
     b = torch.arange(block_tables.shape[1], device=block_tables.device)
     between = (b[None, :] > 0) & (b[None, :] < cached_blocks[:, None] - 1)
+    if window is not None:
+        live_from = (context_lens - q_lens - window + 1).clamp(min=0)
+        read = ((b[None, :] + 1) * cache.block_size > live_from[:, None]) | (b[None, :] * cache.block_size < sinks)
+        between &= read
     opened = (block_tables >= 0) & (cache.slot_of[block_tables.long().clamp(min=0)] >= 0)
     bad = (between & opened).nonzero()
     if len(bad):
@@ -335,7 +342,7 @@ def packed_paged_attention(
     target = plan.target
     block_n, in_block = key_tile(res.shape[1], D)
     if validate and in_block:
-        check_open_blocks(cache, block_tables, context_lens, query_start_loc, fresh)
+        check_open_blocks(cache, block_tables, context_lens, query_start_loc, fresh, window, sinks)
     inv_freq = key_rope.inv_freq_on(q.device) if key_rope is not None else cache.slot_of
     stride_lt, stride_lsplit = plan.lse_strides
     packed_paged_attention_kernel[plan.grid](

@@ -223,15 +223,17 @@ def open_first_blocks(b) -> None:
         b.cache.v_residual[slot, :n] = b.v[s][:n].to(b.cache.v_residual)
 
 
-@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("bits,rope", [(4, False), (2, False), (2, True)])
 @pytest.mark.parametrize("window,sinks,splits", [(None, 0, None), (None, 0, 3), (40, 4, 2)])
-def test_open_first_and_last_blocks_are_read_after_the_loop(device, bits, window, sinks, splits):
+def test_open_first_and_last_blocks_are_read_after_the_loop(device, bits, rope, window, sinks, splits):
     """Whole-block tiles read codes only; block 0 and the last cached block, both open, come from
-    their residual rows after the loop: in every split, beside the step's own rows or without them."""
+    their residual rows after the loop: in every split, beside the step's own rows or without them;
+    with keys stored before RoPE (int2's setup) rotated there too."""
     ctx, qlen = [75, 1, 40, 16], [11, 1, 1, 1]  # a cached partial block, a one-block sequence, decodes
     b = make_packed_batch(ctx, qlen, 4, 2, 16, bits, 16, device=device, store=pks.store_packed_kv)
     open_first_blocks(b)
-    kw = dict(scale=0.25, window=window, sinks=sinks)
+    key_rope = KeyRope.of(RopeSpec("default", 100.0), 16, 4096) if rope else None
+    kw = dict(scale=0.25, window=window, sinks=sinks, key_rope=key_rope)
     tol = 1e-2 if device.type == "cuda" else 1e-5
     for k, v in ((b.k_new, b.v_new), (None, None)):
         args = (b.q, k, v, *b.args()[3:])
@@ -244,6 +246,20 @@ def test_an_open_block_between_the_first_and_last_is_refused(device):
     b.cache.slot_of[b.block_tables[0, 2].long()] = int(b.cache.slot_of.max()) + 1
     with pytest.raises(KvslimError, match="sequence 0's block 2 is open"):
         ppa.packed_paged_attention(*b.args(), scale=0.25)
+
+
+def test_an_open_block_a_window_no_longer_reads_is_allowed(device):
+    """A window releases blocks behind it and the batch points their entries at block 0, which may
+    be another sequence's open block: only blocks some query still reads are checked."""
+    b = make_packed_batch([70, 5], [1, 1], 4, 2, 16, 4, 16, device=device, store=pks.store_packed_kv)
+    b.block_tables[0, 1] = b.block_tables[1, 0]  # sequence 1's open block, where sequence 0's released one was
+    assert int(b.cache.slot_of[b.block_tables[1, 0].long()]) >= 0
+    with pytest.raises(KvslimError, match="sequence 0's block 1 is open"):
+        ppa.packed_paged_attention(*b.args(), scale=0.25)
+    out = ppa.packed_paged_attention(*b.args(), scale=0.25, window=20)  # keys from 50 on: blocks 3 and 4
+    ref = ppa.reference_packed_paged_attention(*b.args(), scale=0.25, window=20)
+    tol = 1e-2 if device.type == "cuda" else 1e-5
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
 
 
 # first_pos mid-block and mid key tile: block 4 looks keys up one by one, block 16 reads 16-key
