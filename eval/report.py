@@ -63,6 +63,7 @@ class CheckpointRow:
     decode_path: str  # the Linears' kernel and the KV cache the decode ran on
     resident_weight_bytes: int  # weights as loaded for decoding (FP8 on a CPU: dequantized once)
     retrieval: dict[str, float] = field(default_factory=dict)  # retrieval task -> accuracy (eval.retrieval_task)
+    retrieval_by_depth: dict[str, dict[str, float]] = field(default_factory=dict)  # task -> "depth25" -> accuracy
 
 
 def weight_bytes(ckpt: Path) -> int:
@@ -165,6 +166,7 @@ def measure(name: str, ckpt: Path, s: ReportSettings, use_cache: bool = True,
     ppl = results.scores[ppl_name] if ppl_name else None
     accuracy = {t: sc.value for t, sc in results.scores.items() if t not in PERPLEXITY_TASKS and t not in RETRIEVAL_TASKS}
     retrieval = {t: sc.value for t, sc in results.scores.items() if t in RETRIEVAL_TASKS}
+    by_depth = {t: depth_accuracies(results.scores[t].metrics, s.context) for t in retrieval}
     decode = fastest_decode(ckpt, s, chosen)
     return CheckpointRow(
         name=name, path=str(ckpt), weight_bytes=weight_bytes(ckpt), kv_dtype=kv_dtype,
@@ -172,7 +174,24 @@ def measure(name: str, ckpt: Path, s: ReportSettings, use_cache: bool = True,
         perplexity=ppl.value if ppl else None, perplexity_detail=ppl.detail if ppl else None,
         accuracy=accuracy, decode_tokens_per_s=decode.tokens_per_s, decode_dtype=decode.dtype,
         decode_path=decode.path, resident_weight_bytes=decode.resident_weight_bytes, retrieval=retrieval,
+        retrieval_by_depth=by_depth,
     )
+
+
+def depth_accuracies(metrics: dict[str, float], context: int) -> dict[str, float]:
+    """A retrieval task's accuracy at each depth of ``context`` ("depth0" -> 1.0, ...), in depth order."""
+    prefix = f"acc@ctx{context}/depth"
+    cells = sorted((int(k[len(prefix):]), v) for k, v in metrics.items() if k.startswith(prefix))
+    return {f"depth{d}": v for d, v in cells}
+
+
+def retrieval_cell(row: CheckpointRow, task: str) -> str:
+    """"95% (100 100 100 75 100)": the task's accuracy, then by depth in points."""
+    if task not in row.retrieval:
+        return "-"
+    depths = row.retrieval_by_depth.get(task, {})
+    by_depth = f" ({' '.join(f'{100 * a:.0f}' for a in depths.values())})" if depths else ""
+    return f"{row.retrieval[task]:.0%}{by_depth}"
 
 
 def mean_accuracy(row: CheckpointRow) -> float | None:
@@ -206,7 +225,7 @@ def markdown_table(rows: list[CheckpointRow], s: ReportSettings) -> str:
     tasks = list(rows[0].accuracy)
     head = (["checkpoint", "weights MiB (disk / resident)", "KV dtype", "KV B/token", "KV smaller",
              "KV capacity (seqs)", "perplexity", "ppl change"] + [f"{t} acc" for t in tasks]
-            + ["mean acc", "recovery"] + [f"{t} (retrieval)" for t in rows[0].retrieval]
+            + ["mean acc", "recovery"] + [f"{t} (retrieval; by depth)" for t in rows[0].retrieval]
             + ["decode tok/s", "decode path"])
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     base = rows[0]
@@ -218,7 +237,7 @@ def markdown_table(rows: list[CheckpointRow], s: ReportSettings) -> str:
                  "-" if change is None else f"{change:+.2%}"]
         cells += [f"{r.accuracy[t]:.3f}" for t in tasks]
         cells += ["-" if acc is None else f"{acc:.3f}", "-" if rec is None else f"{rec:.1%}"]
-        cells += [f"{r.retrieval[t]:.0%}" if t in r.retrieval else "-" for t in rows[0].retrieval]
+        cells += [retrieval_cell(r, t) for t in rows[0].retrieval]
         cells += [f"{r.decode_tokens_per_s:,.1f} ({DTYPE_SHORT.get(r.decode_dtype, r.decode_dtype)})", r.decode_path]
         lines.append("| " + " | ".join(cells) + " |")
     limit = "the pack's fixed per-task limits" if s.limit is None else f"first {s.limit} docs per task"

@@ -63,8 +63,12 @@ def test_retrieval_beside_perplexity(variants, tmp_path, capsys):
     orig, mqa = json.loads((out / "report.json").read_text())["rows"]
     assert set(orig["retrieval"]) == {"passkey"} and 0 <= mqa["retrieval"]["passkey"] <= 1
     assert set(orig["accuracy"]) == {"arc_easy"}
+    depths = mqa["retrieval_by_depth"]["passkey"]
+    assert list(depths) == ["depth0", "depth25", "depth50", "depth75", "depth100"]
+    assert sum(depths.values()) / len(depths) == pytest.approx(mqa["retrieval"]["passkey"])  # equal prompts a depth
     table = (out / "report.md").read_text()
-    assert "passkey (retrieval)" in table and "128-token prompt" in table
+    cell = f"{mqa['retrieval']['passkey']:.0%} ({' '.join(f'{100 * a:.0f}' for a in depths.values())})"
+    assert "passkey (retrieval; by depth)" in table and cell in table and "128-token prompt" in table
     assert (out / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
