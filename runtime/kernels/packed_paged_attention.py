@@ -229,7 +229,9 @@ def packed_paged_attention_kernel(
             # a block a window released is -1 here, or 0 from a batch: `rows` and the window leave it unread
             blk = tl.load(block_tables_ptr + seq * stride_bt + b).to(tl.int64)
             rslot = tl.load(slot_of_ptr + tl.maximum(blk, 0))
-            if (blk >= 0) & (rslot >= 0) & (cached_end > 0):
+            lo = b * block_size
+            in_range = ((lo < split_hi) & (lo + block_size > split_lo)) | (lo < sink_end)  # this program's keys
+            if (blk >= 0) & (rslot >= 0) & (cached_end > 0) & in_range:
                 for t in range(0, block_size // BLOCK_N):
                     offs_j = b * block_size + t * BLOCK_N + tl.arange(0, BLOCK_N)
                     rows = (offs_j < cached_end) & (((offs_j >= split_lo) & (offs_j < split_hi)) | (offs_j < sink_end))
