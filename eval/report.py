@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eval.perplexity_task import PERPLEXITY_TASKS
-from eval.retrieval_task import DEFAULT_SAMPLES, RETRIEVAL_TASKS
+from eval.retrieval_task import DEFAULT_SAMPLES, RETRIEVAL_TASKS, depth_accuracies
 from foundation.errors import KvslimError
 from foundation.kv_plan_file import planned_kv_dtype
 from foundation.quant_spec import QuantSpec
@@ -176,13 +176,6 @@ def measure(name: str, ckpt: Path, s: ReportSettings, use_cache: bool = True,
         decode_path=decode.path, resident_weight_bytes=decode.resident_weight_bytes, retrieval=retrieval,
         retrieval_by_depth=by_depth,
     )
-
-
-def depth_accuracies(metrics: dict[str, float], context: int) -> dict[str, float]:
-    """A retrieval task's accuracy at each depth of ``context`` ("depth0" -> 1.0, ...), in depth order."""
-    prefix = f"acc@ctx{context}/depth"
-    cells = sorted((int(k[len(prefix):]), v) for k, v in metrics.items() if k.startswith(prefix))
-    return {f"depth{d}": v for d, v in cells}
 
 
 def retrieval_cell(row: CheckpointRow, task: str) -> str:

@@ -165,3 +165,16 @@ def score(task: RetrievalTask, prompts: list[RetrievalPrompt], generated: list[s
             cell = [h for p, h in zip(prompts, hits) if p.context == ctx and p.depth == depth]
             metrics[f"acc@ctx{ctx}/depth{depth}"] = sum(cell) / len(cell)
     return sum(hits) / len(hits), metrics
+
+
+def depth_accuracies(metrics: dict[str, float], context: int) -> dict[str, float]:
+    """From ``score``'s metrics: the accuracy at each depth of ``context`` ("depth0" -> 1.0, ...),
+    in depth order (empty where that context was not run)."""
+    prefix = f"acc@ctx{context}/depth"
+    cells = sorted((int(k[len(prefix):]), v) for k, v in metrics.items() if k.startswith(prefix))
+    return {f"depth{d}": v for d, v in cells}
+
+
+def contexts_run(metrics: dict[str, float]) -> list[int]:
+    """The contexts ``score``'s metrics hold, ascending."""
+    return sorted(int(k[len("acc@ctx"):]) for k in metrics if k.startswith("acc@ctx") and "/" not in k)

@@ -8,7 +8,7 @@ import pytest
 
 from cli.main import main
 from eval import results_cache
-from eval.retrieval_task import WORDINGS, RetrievalTask, _place, answered, score
+from eval.retrieval_task import WORDINGS, RetrievalTask, _place, answered, contexts_run, depth_accuracies, score
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +56,11 @@ def test_answers_are_scored_by_the_first_number():
     prompts = [RetrievalPrompt("", "11111", 100, d) for d in (0, 0, 100, 100)]
     acc, metrics = score(task, prompts, [" 11111", " 2", " 11111", " 11111"])
     assert acc == 0.75 and metrics == {"acc@ctx100": 0.75, "acc@ctx100/depth0": 0.5, "acc@ctx100/depth100": 1.0}
+    assert contexts_run(metrics) == [100] and depth_accuracies(metrics, 100) == {"depth0": 0.5, "depth100": 1.0}
+    assert depth_accuracies(metrics, 200) == {}
 
 
-def test_compress_eval_passkey_through_the_engine(tiny_with_tokenizer, tmp_path, monkeypatch):
+def test_compress_eval_passkey_through_the_engine(tiny_with_tokenizer, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(results_cache, "results_dir", lambda: tmp_path / "results")
     out = tmp_path / "r.json"
     assert main(["eval", str(tiny_with_tokenizer), "--backend", "kvslim", "--tasks", "passkey",
@@ -66,4 +68,6 @@ def test_compress_eval_passkey_through_the_engine(tiny_with_tokenizer, tmp_path,
     got = json.loads(out.read_text())["results"]["scores"]["passkey"]
     assert 0.0 <= got["value"] <= 1.0 and got["num_samples"] == 20
     assert set(got["metrics"]) == {"acc@ctx128", *(f"acc@ctx128/depth{d}" for d in (0, 25, 50, 75, 100))}
+    by_depth = next(line for line in capsys.readouterr().out.splitlines() if line.lstrip().startswith("@128"))
+    assert "by depth 0%:" in by_depth and "100%:" in by_depth  # accuracy per context and depth, printed
     assert main(["eval", str(tiny_with_tokenizer), "--tasks", "passkey", "--retrieval-contexts", "8"]) == 2
