@@ -38,6 +38,7 @@ from typing import Callable
 
 from attention_variants.convert import DEFAULT_SINKS, ConvertSpec, convert
 from eval.kv_plan_measurements import rank, retrieval_rank, served_perplexity, served_retrieval
+from eval.retrieval_task import by_depth_line
 from foundation.attention_layout import FULL, SINKS_KEY, SLIDING, STREAMING_KEY, AttentionLayout
 from foundation.calibration import CalibrationSpec, load_tokenizer, token_windows
 from foundation.checkpoint import Checkpoint
@@ -339,7 +340,7 @@ def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase
     original_ppl = served_perplexity(ckpt.path, config, "bf16", dev, dev_text, ctx)
     original_ret = served_retrieval(ckpt.path, config, "bf16", prompts, tokenizer, ctx) if prompts else None
     progress(f"original (bf16 KV): {original:,.0f} B/token @{ctx}, dev ppl {original_ppl:.3f}"
-             + (f", retrieval by depth {_pct(original_ret)}" if original_ret else ""))
+             + (f", retrieval by depth {by_depth_line(original_ret)}" if original_ret else ""))
     todo = candidates(config, ctx, None if budget is None else budget * original, ranking, original, dtypes,
                       head_ranking if heads else None, retrieval_ranking)
     if not todo:
@@ -356,7 +357,7 @@ def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase
         cand = replace(cand, retrieval=served_retrieval(ckpt.path, cand.choice.config(config), cand.choice.kv_dtype,
                                                         prompts, tokenizer, ctx))
         ok = within(cand.retrieval, original_ret, min_retrieval)
-        progress(f"  retrieval of {cand.choice.describe(n)}: {_pct(cand.retrieval)} "
+        progress(f"  retrieval of {cand.choice.describe(n)}: {by_depth_line(cand.retrieval)} "
                  f"({'within' if ok else 'NOT within'} {100 * min_retrieval:g} points of the original at every depth)")
         return cand, ok
 
@@ -389,7 +390,7 @@ def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase
         if chosen is None:  # the bound missed by all checked: keep the most retrieval
             chosen = max(checked, key=lambda c: (min(c.retrieval.values()), sum(c.retrieval.values()), -c.dev_ppl))
             progress(f"no candidate checked keeps retrieval within {100 * min_retrieval:g} points at every depth: "
-                     f"chose the one that keeps the most ({_pct(chosen.retrieval)})")
+                     f"chose the one that keeps the most ({by_depth_line(chosen.retrieval)})")
         by_choice = {c.choice: c for c in checked}
         served = [by_choice.get(c.choice, c) for c in served]
     elif chosen is None:
@@ -404,8 +405,6 @@ def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase
                   calibration, dev_text, original_ret, min_retrieval if prompts else None, prompt_text)
 
 
-def _pct(by_depth: dict[int, float]) -> str:
-    return " ".join(f"{d}%:{100 * a:.0f}" for d, a in by_depth.items())
 
 
 def _bits(dtype: str) -> int:

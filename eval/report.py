@@ -166,7 +166,8 @@ def measure(name: str, ckpt: Path, s: ReportSettings, use_cache: bool = True,
     ppl = results.scores[ppl_name] if ppl_name else None
     accuracy = {t: sc.value for t, sc in results.scores.items() if t not in PERPLEXITY_TASKS and t not in RETRIEVAL_TASKS}
     retrieval = {t: sc.value for t, sc in results.scores.items() if t in RETRIEVAL_TASKS}
-    by_depth = {t: depth_accuracies(results.scores[t].metrics, s.context) for t in retrieval}
+    by_depth = {t: {f"depth{d}": a for d, a in depth_accuracies(results.scores[t].metrics, s.context).items()}
+                for t in retrieval}
     decode = fastest_decode(ckpt, s, chosen)
     return CheckpointRow(
         name=name, path=str(ckpt), weight_bytes=weight_bytes(ckpt), kv_dtype=kv_dtype,

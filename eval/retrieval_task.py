@@ -160,21 +160,35 @@ def score(task: RetrievalTask, prompts: list[RetrievalPrompt], generated: list[s
     metrics: dict[str, float] = {}
     for ctx in task.contexts:
         at_ctx = [h for p, h in zip(prompts, hits) if p.context == ctx]
-        metrics[f"acc@ctx{ctx}"] = sum(at_ctx) / len(at_ctx)
+        metrics[metric_name(ctx)] = sum(at_ctx) / len(at_ctx)
         for depth in task.depths:
             cell = [h for p, h in zip(prompts, hits) if p.context == ctx and p.depth == depth]
-            metrics[f"acc@ctx{ctx}/depth{depth}"] = sum(cell) / len(cell)
+            metrics[metric_name(ctx, depth)] = sum(cell) / len(cell)
     return sum(hits) / len(hits), metrics
 
 
-def depth_accuracies(metrics: dict[str, float], context: int) -> dict[str, float]:
-    """From ``score``'s metrics: the accuracy at each depth of ``context`` ("depth0" -> 1.0, ...),
-    in depth order (empty where that context was not run)."""
-    prefix = f"acc@ctx{context}/depth"
-    cells = sorted((int(k[len(prefix):]), v) for k, v in metrics.items() if k.startswith(prefix))
-    return {f"depth{d}": v for d, v in cells}
+
+CONTEXT_METRIC = "acc@ctx"  # + context [+ "/depth" + depth]: ``score``'s metric keys
+
+
+def metric_name(context: int, depth: int | None = None) -> str:
+    """``score``'s metric key: the accuracy at ``context`` tokens (at ``depth`` percent, if given)."""
+    return f"{CONTEXT_METRIC}{context}" if depth is None else f"{CONTEXT_METRIC}{context}/depth{depth}"
+
+
+def depth_accuracies(metrics: dict[str, float], context: int) -> dict[int, float]:
+    """From ``score``'s metrics: the accuracy at each depth (percent) of ``context``, in depth order
+    (empty where that context was not run)."""
+    prefix = metric_name(context) + "/depth"
+    return dict(sorted((int(k[len(prefix):]), v) for k, v in metrics.items() if k.startswith(prefix)))
 
 
 def contexts_run(metrics: dict[str, float]) -> list[int]:
     """The contexts ``score``'s metrics hold, ascending."""
-    return sorted(int(k[len("acc@ctx"):]) for k in metrics if k.startswith("acc@ctx") and "/" not in k)
+    n = len(CONTEXT_METRIC)
+    return sorted(int(k[n:]) for k in metrics if k.startswith(CONTEXT_METRIC) and "/" not in k)
+
+
+def by_depth_line(by_depth: dict[int, float]) -> str:
+    """"0%:100 50%:75 ...": accuracy in points at each depth."""
+    return " ".join(f"{d}%:{100 * a:.0f}" for d, a in by_depth.items())

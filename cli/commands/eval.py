@@ -105,7 +105,7 @@ def _fmt(x: float | None, digits: int = 4) -> str:
 
 
 def print_scores(results, path) -> None:
-    from eval.retrieval_task import RETRIEVAL_TASKS, contexts_run, depth_accuracies
+    from eval.retrieval_task import RETRIEVAL_TASKS, by_depth_line, contexts_run, depth_accuracies, metric_name
 
     print(
         f"{results.checkpoint}  sha256 {results.checkpoint_sha256[:12]}  backend {results.backend}  "
@@ -117,9 +117,8 @@ def print_scores(results, path) -> None:
         print(f"{s.task:<16}{s.metric:<12}{_fmt(s.value, digits):>10}{_fmt(s.stderr):>10}{s.num_samples:>7}  {s.detail}")
         if s.task in RETRIEVAL_TASKS:
             for ctx in contexts_run(s.metrics):
-                depths = depth_accuracies(s.metrics, ctx)
-                print(f"{'':<16}@{ctx:<11}{_fmt(s.metrics[f'acc@ctx{ctx}']):>10}  by depth "
-                      + " ".join(f"{k[len('depth'):]}%:{100 * a:.0f}" for k, a in depths.items()))
+                line = by_depth_line(depth_accuracies(s.metrics, ctx))
+                print(f"{'':<16}@{ctx:<11}{_fmt(s.metrics[metric_name(ctx)]):>10}  by depth {line}")
     print(f"results: {path}")
 
 

@@ -56,7 +56,7 @@ def test_answers_are_scored_by_the_first_number():
     prompts = [RetrievalPrompt("", "11111", 100, d) for d in (0, 0, 100, 100)]
     acc, metrics = score(task, prompts, [" 11111", " 2", " 11111", " 11111"])
     assert acc == 0.75 and metrics == {"acc@ctx100": 0.75, "acc@ctx100/depth0": 0.5, "acc@ctx100/depth100": 1.0}
-    assert contexts_run(metrics) == [100] and depth_accuracies(metrics, 100) == {"depth0": 0.5, "depth100": 1.0}
+    assert contexts_run(metrics) == [100] and depth_accuracies(metrics, 100) == {0: 0.5, 100: 1.0}
     assert depth_accuracies(metrics, 200) == {}
 
 
