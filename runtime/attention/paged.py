@@ -5,9 +5,11 @@ and hands it to the backend with ``set_batch``; the decoder then calls ``attend`
 Sequences decoding one token are attended together (their blocks gathered into one padded
 batch); sequences with several new tokens (prefill chunks) one at a time, over their cached
 prefix plus the chunk. Quantized caches are dequantized on read to q's dtype; SDPA does the
-math (fp32 accumulation); logit softcap takes a plain fp32 path. With int4/int2 KV a step reads
-its own new rows exact (KIVI: the prompt is attended in full precision) and everything written
-before as stored: earlier blocks quantized, the sequence's open block exact. Keys arrive before
+math (fp32 accumulation); logit softcap takes a plain fp32 path. With a quantized cache a step
+reads its own new rows exact (KIVI: the prompt is attended in full precision) and everything
+written before as stored: FP8/INT8 rows quantized; with int4/int2 earlier blocks quantized, the
+sequence's open block exact. ``Engine.score`` has FP8/INT8 read a piece's own rows as stored
+(``PagedBatch.exact_new_rows``): each scored token then reads its context as a decode would. Keys arrive before
 rotary (``AttentionParams.key_rope``): rotated here before the write, or, in a layout that stores
 them before RoPE (int2), after it, and every key read rotated at its position in fp32.
 """
@@ -51,6 +53,9 @@ class PagedBatch:
     # per int4/int2 group, the step's writes already planned and applied (a CUDA graph's per-row
     # plans, ``WritePlan.per_row_plan``); None: the backend's ``set_batch`` plans them
     write_plans: Mapping[int, WritePlan] | None = None
+    # FP8/INT8 layers read the step's own rows exact (False: as stored, so that ``Engine.score``'s
+    # tokens read their context as decoding would; int4/int2 read theirs exact either way)
+    exact_new_rows: bool = True
 
     def packed_writes(self, cache: KVCache) -> dict[int, WritePlan]:
         """The step's packed writes by cache group, planned and applied once per step."""
@@ -284,16 +289,17 @@ class PagedAttentionBackend:
             plan = self._write_plans[g] if packed else None
             self.cache.write(layer_idx, k if read_rope else k_rotated, v, batch.slot_mapping[g], plan)
             k = k_rotated
-        if packed and k is not None:
+        quantized = packed or (batch.exact_new_rows and self.cache.is_quantized(layer_idx))
+        if quantized and k is not None:
             self._new_rows_by_slot[slot] = (k, v)
-        elif packed:  # a layer reading another layer's KV reads its new rows exact too
+        elif quantized:  # a layer reading another layer's KV reads its new rows exact too
             k, v = self._new_rows_by_slot.get(slot, (None, None))
         softcap = params.softcap is not None
         key = (g, params.window, params.sinks, q.dtype, softcap)
         if key not in self._plans:
             self._plans[key] = _plan(batch, batch.block_tables[g], params.window, params.sinks, q.dtype, softcap)
         plan = self._plans[key]
-        overlay_new_rows = k is not None and packed  # read this step's rows exact
+        overlay_new_rows = k is not None and quantized  # read this step's rows exact
         if plan.decode_blocks is not None and not plan.chunks:  # a pure decode step
             kk, vv = self._read(layer_idx, plan.decode_blocks, plan.decode_key_pos, q.dtype, read_rope)
             if overlay_new_rows:

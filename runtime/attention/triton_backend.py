@@ -4,9 +4,10 @@ Same interface as ``runtime.attention.paged.PagedAttentionBackend`` (``set_batch
 per layer), but each layer is one store (quantize on write) and one paged attention call over the
 whole flattened batch: Triton on CUDA, the plain-torch references on CPU.
 bf16/fp16/fp32/fp8/int8 layers take ``store_kv`` and ``paged_attention``; packed int4/int2 layers
-(``PackedLayerCache``) ``store_packed_kv`` and ``packed_paged_attention``, which reads the
-step's own new rows exact from ``k``/``v``, as the torch path. Layers that read another layer's
-KV get the owner's cache tensors, and with int4/int2 the owner's new rows of this step. Keys
+(``PackedLayerCache``) ``store_packed_kv`` and ``packed_paged_attention``. Over a quantized cache
+(FP8/INT8 or packed) the attention reads the step's own new rows exact from ``k``/``v``, as the
+torch path. Layers that read another layer's KV get the owner's cache tensors, and over a
+quantized cache the owner's new rows of this step. Keys
 arrive before rotary and are rotated here (torch) before the store, except in a layout that stores
 them before RoPE (int2), whose attention kernel rotates each key it reads.
 """
@@ -131,5 +132,9 @@ class KernelAttentionBackend:
         if k is not None:
             self._store(k_rotated, v, lc.k_cache, lc.v_cache, batch.slot_mapping[g], lc.k_scale, lc.v_scale,
                         validate=False)
+            self._new_rows_by_slot[slot] = (k_rotated, v)
+        # a quantized cache: the step's own rows read exact (a layer reading another's KV too)
+        exact = lc.k_scale is not None and batch.exact_new_rows
+        k, v = self._new_rows_by_slot.get(slot, (None, None)) if exact else (None, None)
         return self._attention(q, lc.k_cache, lc.v_cache, *meta, lc.k_scale, lc.v_scale, sinks=params.sinks,
-                               validate=False, **self._launch_bounds)
+                               k=k, v=v, validate=False, **self._launch_bounds)

@@ -373,6 +373,12 @@ class KVCache:
         """Whether ``layer``'s cache is int4/int2 (packed, quantized a block at a time)."""
         return isinstance(self.layers[layer], PackedLayerCache)
 
+    def is_quantized(self, layer: int) -> bool:
+        """Whether ``layer``'s cache quantizes what it stores (FP8/INT8 scales, or packed int4/int2):
+        a step then reads its own new rows exact, not back from the cache."""
+        lc = self.layers[layer]
+        return isinstance(lc, PackedLayerCache) or lc.k_scale is not None
+
     def keys_before_rope(self, layer: int) -> bool:
         """Whether ``layer``'s cache stores keys before RoPE (rotated on read; int2)."""
         lc = self.layers[layer]

@@ -109,12 +109,14 @@ def _attention_variants() -> list[KernelVariant]:
     for name, qd, cd, quant, per_token, d, qpk, decode, splits, window, softcap, quick in cases:
         block_m = max(16, 1 << (qpk - 1).bit_length()) if decode else max(64, 1 << (qpk - 1).bit_length())
         ptrs = {"q_ptr": f"*{qd}", "k_cache_ptr": f"*{cd}", "v_cache_ptr": f"*{cd}",
+                "k_new_ptr": f"*{qd}", "v_new_ptr": f"*{qd}",
                 "k_scale_ptr": "*fp32" if quant else f"*{cd}", "v_scale_ptr": "*fp32" if quant else f"*{cd}",
                 "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "query_start_ptr": "*i32",
                 "out_ptr": "*fp32" if splits > 1 else f"*{qd}", "lse_ptr": "*fp32" if splits > 1 else f"*{qd}"}
         consts = dict(QPK=qpk, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=block_m, BLOCK_Q=block_m // qpk,
                       BLOCK_N=32 if d <= 128 else 16, NUM_SPLITS=splits, KV_QUANT=quant,
-                      SCALE_PER_TOKEN=per_token, USE_WINDOW=window, USE_SOFTCAP=softcap)
+                      SCALE_PER_TOKEN=per_token, USE_WINDOW=window, USE_SOFTCAP=softcap,
+                      FRESH=quant)  # a quantized cache reads the step's own rows exact
         out.append(KernelVariant(name, k, mod, ptrs, consts, quick, num_warps=attention_num_warps(block_m, d)))
     return out
 

@@ -4,7 +4,8 @@ Shapes (one cache group; layers that share KV simply pass the owner's cache tens
 - ``q`` ``[T, H, D]``: the step's new tokens, flattened over sequences (``attention_backend``).
 - ``k_cache``, ``v_cache`` ``[num_blocks, block_size, KVH, D]`` bf16/fp16/fp32/float8_e4m3fn/int8;
   quantized caches carry ``k_scale``/``v_scale`` ``[num_blocks, block_size, KVH]`` fp32 or a
-  one-element fp32 tensor (see ``kv_store``). The step's new K/V must already be stored.
+  one-element fp32 tensor (see ``kv_store``). The step's new K/V must already be stored; over a
+  quantized cache they may also be given (``k``, ``v`` ``[T, KVH, D]``) to be read exact.
 - ``block_tables`` int32 ``[S, max_blocks]``, ``context_lens`` int32 ``[S]`` (tokens cached per
   sequence, new ones included), ``query_start_loc`` int32 ``[S + 1]`` (sequence s owns q rows
   ``query_start_loc[s]:query_start_loc[s+1]``, its last ``q_len`` positions).
@@ -126,17 +127,19 @@ def _store_output(out_ptr, lse_ptr, acc, m_i, l_i, split, q_start, tok, head, ro
 
 @triton.jit
 def paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, k_new_ptr, v_new_ptr,
     block_tables_ptr, context_lens_ptr, query_start_ptr, out_ptr, lse_ptr,
     sm_scale, softcap, window, sinks, block_size,
-    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_bt,
+    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_bt, stride_nt, stride_nh,
     stride_ot, stride_oh, stride_osplit, stride_lt, stride_lsplit,
     QPK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     KV_QUANT: tl.constexpr, SCALE_PER_TOKEN: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    USE_SINKS: tl.constexpr = False,
+    USE_SINKS: tl.constexpr = False, FRESH: tl.constexpr = False,
 ):
-    """Grid ``(S, cdiv(max_q_len, BLOCK_Q), KVH * NUM_SPLITS)`` (query tile rows: ``_query_rows``)."""
+    """Grid ``(S, cdiv(max_q_len, BLOCK_Q), KVH * NUM_SPLITS)`` (query tile rows: ``_query_rows``).
+    ``FRESH`` (quantized caches): keys at positions ``>= ctx - q_len``, the step's own, are read
+    exact from ``k_new``/``v_new`` ``[T, KVH, D]`` instead of the cache."""
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
     kvh = tl.program_id(2) // NUM_SPLITS
@@ -180,6 +183,12 @@ def paged_attention_kernel(
             else:
                 k = k.to(tl.float32) * k_scalar
                 v = v.to(tl.float32) * v_scalar
+            if FRESH:
+                first_pos = ctx - q_len
+                new_at = ((q_start + offs_j - first_pos) * stride_nt + kvh * stride_nh)[:, None] + offs_d[None, :]
+                f_mask = (j_ok & (offs_j >= first_pos))[:, None] & d_ok[None, :]
+                k = tl.where(f_mask, tl.load(k_new_ptr + new_at, mask=f_mask, other=0.0).to(tl.float32), k)
+                v = tl.where(f_mask, tl.load(v_new_ptr + new_at, mask=f_mask, other=0.0).to(tl.float32), v)
         m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, offs_j, j_ok, q_pos, row_ok, sm_scale, softcap,
                                      window, sinks, USE_WINDOW, USE_SINKS, USE_SOFTCAP)
 
@@ -197,6 +206,22 @@ def check_attention_inputs(q, head_dim: int, kv_heads: int, block_tables, contex
     if q.shape[1] % kv_heads:
         raise KvslimError(f"{q.shape[1]} query heads are not a multiple of {kv_heads} KV heads")
     check_batch(block_tables, context_lens, query_start_loc, q.device)
+
+
+def check_new_rows(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
+                   k_scale: torch.Tensor | None) -> None:
+    """The step's own rows, read exact: ``[T, KVH, D]`` in q's dtype, given together, for a quantized cache."""
+    if k is None and v is None:
+        return
+    if k is None or v is None:
+        raise KvslimError("the step's k and v must be given together")
+    if k_scale is None:
+        raise KvslimError("the step's own rows are read exact from a quantized cache only (this one stores them exact)")
+    expected = (q.shape[0], k_cache.shape[2], k_cache.shape[3])
+    for t in (k, v):
+        if tuple(t.shape) != expected or t.dtype != q.dtype or t.device != q.device:
+            raise KvslimError(f"the step's k/v must be {q.dtype} {list(expected)} on {q.device}, "
+                              f"got {t.dtype} {tuple(t.shape)} on {t.device}")
 
 
 def check_batch(block_tables, context_lens, query_start_loc, device: torch.device) -> None:
@@ -310,15 +335,20 @@ def paged_attention(
     max_context_len: int | None = None,
     num_splits: int | None = None,
     sinks: int = 0,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
     *,
     validate: bool = True,
 ) -> torch.Tensor:
     """Causal attention of the step's tokens over their paged context (see module docstring).
+    ``k``, ``v`` ``[T, KVH, D]`` (a quantized cache only): the step's new rows, already stored,
+    read exact instead of from the cache (the prompt attended in full precision, as KIVI does).
     ``max_query_len``/``max_context_len`` avoid a device sync when the caller knows them.
     ``validate=False``: the caller checked the cache once (``check_layer_cache``) and the batch
     where it built it (``check_batch``)."""
     if validate:
         _check_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, k_scale, v_scale)
+        check_new_rows(q, k, v, k_cache, k_scale)
     per_token = scales_per_token(k_cache, k_scale)
     T, H, D = q.shape
     S = context_lens.shape[0]
@@ -334,9 +364,14 @@ def paged_attention(
     stride_sb, stride_ss = (ks.stride(0), ks.stride(1)) if per_token else (0, 0)
     target = plan.target
     stride_lt, stride_lsplit = plan.lse_strides
+    fresh = k is not None
+    k_new, v_new = (k.contiguous(), v.contiguous()) if fresh else (q, q)
     paged_attention_kernel[plan.grid](
         # the query and where each sequence's rows start
         q_ptr=q, stride_qt=q.stride(0), stride_qh=q.stride(1), query_start_ptr=query_start_loc,
+        # the step's own new rows, read exact (a quantized cache)
+        k_new_ptr=k_new, v_new_ptr=v_new, stride_nt=k_new.stride(0) if fresh else 0,
+        stride_nh=k_new.stride(1) if fresh else 0,
         # the paged cache and its scales
         k_cache_ptr=k_cache, v_cache_ptr=v_cache, block_size=k_cache.shape[1],
         stride_cb=k_cache.stride(0), stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
@@ -353,7 +388,7 @@ def paged_attention(
         BLOCK_M=plan.block_m, BLOCK_Q=plan.block_q, BLOCK_N=32 if D <= 128 else 16, NUM_SPLITS=plan.splits,
         # modes
         KV_QUANT=quant, SCALE_PER_TOKEN=per_token, USE_WINDOW=window is not None, USE_SOFTCAP=softcap is not None,
-        USE_SINKS=window is not None and sinks > 0,
+        USE_SINKS=window is not None and sinks > 0, FRESH=fresh,
         num_warps=attention_num_warps(plan.block_m, D),
     )
     return plan.result()
@@ -408,17 +443,26 @@ def reference_paged_attention(
     max_query_len: int | None = None,
     max_context_len: int | None = None,
     sinks: int = 0,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
     *,
     validate: bool = True,
 ) -> torch.Tensor:
     """Plain-torch oracle (and CPU path) for ``paged_attention``: per sequence, gather and
-    dequantize its cache, then ``attention_backend.reference_attention``. The launch bounds
-    (``max_query_len``, ``max_context_len``) are the kernel's; the reference reads each sequence's own."""
+    dequantize its cache (its new rows from ``k``/``v`` where given), then
+    ``attention_backend.reference_attention``. The launch bounds (``max_query_len``,
+    ``max_context_len``) are the kernel's; the reference reads each sequence's own."""
     if validate:
         _check_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, k_scale, v_scale)
+        check_new_rows(q, k, v, k_cache, k_scale)
+    starts = query_start_loc.tolist()
 
     def gather(s: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return (gather_sequence_kv(k_cache, k_scale, block_tables[s], ctx),
-                gather_sequence_kv(v_cache, v_scale, block_tables[s], ctx))
+        kk = gather_sequence_kv(k_cache, k_scale, block_tables[s], ctx)
+        vv = gather_sequence_kv(v_cache, v_scale, block_tables[s], ctx)
+        if k is not None:
+            a, b = starts[s], starts[s + 1]
+            kk[ctx - (b - a):], vv[ctx - (b - a):] = k[a:b].float(), v[a:b].float()
+        return kk, vv
 
     return attend_sequences(q, gather, context_lens, query_start_loc, scale, window, softcap, sinks)

@@ -141,7 +141,8 @@ def test_streaming_heads_match_core_and_hold_only_sinks_and_window(tiny_llama, t
 
     spec = ConvertSpec(sliding_window=8, sinks=5, streaming_set=((), (1,), (0, 1), (0,)))
     path = convert(tiny_llama, spec, tmp_path / "streaming").out
-    core = LLM(path, max_model_len=128, kv_cache_dtype=kv_dtype)
+    # prefilled in the engine's chunks: a chunk reads its own rows exact, earlier ones as stored
+    core = LLM(path, max_model_len=128, kv_cache_dtype=kv_dtype, prefill_chunk=12)
     bs = 4
     engine = Engine(core.model, EngineConfig(block_size=bs, max_num_batched_tokens=12, max_model_len=128,
                                              kv_cache_bytes=1 << 20, kv_dtype=kv_dtype))
@@ -240,6 +241,21 @@ def test_quantized_kv_stays_close(tiny_llama, kv_dtype, max_mean_err):
     top2 = ref.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 0.2  # away from near-ties the greedy token is unchanged
     assert (got.argmax(-1) == ref.argmax(-1))[clear].all()
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_a_prompt_is_attended_exact_and_scored_as_stored(tiny_llama, kv_dtype):
+    """A prompt prefilled in one step reads its own rows exact whatever the KV dtype: its prompt
+    logprobs are the fp32 cache's. ``score`` reads each piece's context as stored, as a decode would."""
+    model = load_model(tiny_llama, "float32")
+    cfg = dict(block_size=4, max_num_batched_tokens=64, max_model_len=128, kv_cache_bytes=2 << 20)
+    exact, quantized = Engine(model, EngineConfig(**cfg)), Engine(model, EngineConfig(kv_dtype=kv_dtype, **cfg))
+    p = prompts(1, seed=8, lo=40, hi=41)[0]
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    a, b = (e.generate([p], params)[0] for e in (exact, quantized))
+    for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+        assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < LP_TOL
+    assert not torch.allclose(exact.score(p), quantized.score(p), atol=1e-3)
 
 
 def test_bad_requests(tiny_llama):
