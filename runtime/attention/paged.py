@@ -9,8 +9,9 @@ math (fp32 accumulation); logit softcap takes a plain fp32 path. With a quantize
 reads its own new rows exact (KIVI: the prompt is attended in full precision) and everything
 written before as stored: FP8/INT8 rows quantized; with int4/int2 earlier blocks quantized, the
 sequence's open block exact. ``Engine.score`` has FP8/INT8 read a piece's own rows as stored
-(``PagedBatch.exact_new_rows``): each scored token then reads its context as a decode would. Keys arrive before
-rotary (``AttentionParams.key_rope``): rotated here before the write, or, in a layout that stores
+(``PagedBatch.exact_new_rows``): each scored token reads its context as a decode would, and its own
+row quantized where a decode step reads it exact (perplexity errs pessimistic by that row). Keys
+arrive before rotary (``AttentionParams.key_rope``): rotated here before the write, or, in a layout that stores
 them before RoPE (int2), after it, and every key read rotated at its position in fp32.
 """
 from __future__ import annotations
@@ -54,7 +55,8 @@ class PagedBatch:
     # plans, ``WritePlan.per_row_plan``); None: the backend's ``set_batch`` plans them
     write_plans: Mapping[int, WritePlan] | None = None
     # FP8/INT8 layers read the step's own rows exact (False: as stored, so that ``Engine.score``'s
-    # tokens read their context as decoding would; int4/int2 read theirs exact either way)
+    # tokens read their context as decoding would, their own row quantized; int4/int2 read theirs
+    # exact either way)
     exact_new_rows: bool = True
 
     def packed_writes(self, cache: KVCache) -> dict[int, WritePlan]:

@@ -243,12 +243,14 @@ def test_quantized_kv_stays_close(tiny_llama, kv_dtype, max_mean_err):
     assert (got.argmax(-1) == ref.argmax(-1))[clear].all()
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
-def test_a_prompt_is_attended_exact_and_scored_as_stored(tiny_llama, kv_dtype):
+@pytest.mark.parametrize("kv_dtype,backend", [("int8", "torch"), ("fp8_e4m3", "torch"), ("int8", "triton")])
+def test_a_prompt_is_attended_exact_and_scored_as_stored(tiny_llama, kv_dtype, backend):
     """A prompt prefilled in one step reads its own rows exact whatever the KV dtype: its prompt
-    logprobs are the fp32 cache's. ``score`` reads each piece's context as stored, as a decode would."""
+    logprobs are the fp32 cache's. ``score`` reads each piece's context as stored, as a decode would
+    (both attention backends; the kernels' backend on the CPU runs their torch references)."""
     model = load_model(tiny_llama, "float32")
-    cfg = dict(block_size=4, max_num_batched_tokens=64, max_model_len=128, kv_cache_bytes=2 << 20)
+    cfg = dict(block_size=4, max_num_batched_tokens=64, max_model_len=128, kv_cache_bytes=2 << 20,
+               attention_backend=backend)
     exact, quantized = Engine(model, EngineConfig(**cfg)), Engine(model, EngineConfig(kv_dtype=kv_dtype, **cfg))
     p = prompts(1, seed=8, lo=40, hi=41)[0]
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, prompt_logprobs=0)

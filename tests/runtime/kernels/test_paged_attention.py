@@ -176,3 +176,15 @@ def test_gpu_paged_attention_real_sizes(kv_dtype, scales, H, KVH, D, window):
     out = pa.paged_attention(*decode.args(), **kw).float()  # exercises the split-context path
     ref = pa.reference_paged_attention(*decode.args(), **kw).float()
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_the_steps_own_rows_are_checked():
+    """k and v come together, shaped ``[T, KVH, D]`` in q's dtype, and only over a quantized cache."""
+    q, cache, scale = torch.zeros(5, 4, 8), torch.zeros(3, 4, 2, 8, dtype=torch.int8), torch.ones(3, 4, 2)
+    rows = torch.zeros(5, 2, 8)
+    pa.check_new_rows(q, rows, rows, cache, scale)
+    pa.check_new_rows(q, None, None, cache, None)
+    for k, v, s, match in [(rows, None, scale, "together"), (rows, rows, None, "quantized cache only"),
+                           (torch.zeros(4, 2, 8), rows, scale, "must be"), (rows.double(), rows, scale, "must be")]:
+        with pytest.raises(KvslimError, match=match):
+            pa.check_new_rows(q, k, v, cache, s)
