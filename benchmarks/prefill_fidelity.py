@@ -30,11 +30,9 @@ def served_logprobs(llm, windows: list[list[int]]) -> list[list[float]]:
 
 def stored_logprobs(llm, windows: list[list[int]]) -> list[list[float]]:
     """The same through ``score``: FP8/INT8 own rows read back as stored."""
-    out = []
-    for ids in windows:
-        logits = llm.score(ids)[:-1]
-        out.append(torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist())
-    return out
+    from foundation.perplexity import target_logprobs
+
+    return [target_logprobs(llm.score(ids)[:-1], torch.tensor(ids[1:])).tolist() for ids in windows]
 
 
 def summary(lps: list[list[float]], ref: list[list[float]]) -> dict[str, float]:

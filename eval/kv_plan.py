@@ -405,8 +405,6 @@ def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase
                   calibration, dev_text, original_ret, min_retrieval if prompts else None, prompt_text)
 
 
-
-
 def _bits(dtype: str) -> int:
     return {"int2": 2, "int4": 4, "int8": 8}.get(dtype, 16)
 

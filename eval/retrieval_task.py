@@ -167,7 +167,6 @@ def score(task: RetrievalTask, prompts: list[RetrievalPrompt], generated: list[s
     return sum(hits) / len(hits), metrics
 
 
-
 CONTEXT_METRIC = "acc@ctx"  # + context [+ "/depth" + depth]: ``score``'s metric keys
 
 

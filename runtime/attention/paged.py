@@ -291,17 +291,17 @@ class PagedAttentionBackend:
             plan = self._write_plans[g] if packed else None
             self.cache.write(layer_idx, k if read_rope else k_rotated, v, batch.slot_mapping[g], plan)
             k = k_rotated
-        quantized = packed or (batch.exact_new_rows and self.cache.is_quantized(layer_idx))
-        if quantized and k is not None:
+        own_rows_exact = packed or (batch.exact_new_rows and self.cache.is_quantized(layer_idx))
+        if own_rows_exact and k is not None:
             self._new_rows_by_slot[slot] = (k, v)
-        elif quantized:  # a layer reading another layer's KV reads its new rows exact too
+        elif own_rows_exact:  # a layer reading another layer's KV reads its new rows exact too
             k, v = self._new_rows_by_slot.get(slot, (None, None))
         softcap = params.softcap is not None
         key = (g, params.window, params.sinks, q.dtype, softcap)
         if key not in self._plans:
             self._plans[key] = _plan(batch, batch.block_tables[g], params.window, params.sinks, q.dtype, softcap)
         plan = self._plans[key]
-        overlay_new_rows = k is not None and quantized  # read this step's rows exact
+        overlay_new_rows = k is not None and own_rows_exact  # read this step's rows exact
         if plan.decode_blocks is not None and not plan.chunks:  # a pure decode step
             kk, vv = self._read(layer_idx, plan.decode_blocks, plan.decode_key_pos, q.dtype, read_rope)
             if overlay_new_rows:

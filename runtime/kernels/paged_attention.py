@@ -166,6 +166,7 @@ def paged_attention_kernel(
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     sink_tiles, sink_end = _sink_tiles(split, split_lo, sinks, BLOCK_N, USE_SINKS)
+    first_new = ctx - q_len  # FRESH: the position of the step's first own row
     for t in range(0, sink_tiles + tl.cdiv(split_hi - split_lo, BLOCK_N)):
         j0, j_end = _tile_start(t, sink_tiles, sink_end, split_lo, split_hi, BLOCK_N)
         offs_j = j0 + tl.arange(0, BLOCK_N)
@@ -184,11 +185,11 @@ def paged_attention_kernel(
                 k = k.to(tl.float32) * k_scalar
                 v = v.to(tl.float32) * v_scalar
             if FRESH:
-                first_pos = ctx - q_len
-                new_at = ((q_start + offs_j - first_pos) * stride_nt + kvh * stride_nh)[:, None] + offs_d[None, :]
-                f_mask = (j_ok & (offs_j >= first_pos))[:, None] & d_ok[None, :]
-                k = tl.where(f_mask, tl.load(k_new_ptr + new_at, mask=f_mask, other=0.0).to(tl.float32), k)
-                v = tl.where(f_mask, tl.load(v_new_ptr + new_at, mask=f_mask, other=0.0).to(tl.float32), v)
+                if j0 + BLOCK_N > first_new:  # only tiles that may hold some of the step's own rows
+                    new_at = ((q_start + offs_j - first_new) * stride_nt + kvh * stride_nh)[:, None] + offs_d[None, :]
+                    f_mask = (j_ok & (offs_j >= first_new))[:, None] & d_ok[None, :]
+                    k = tl.where(f_mask, tl.load(k_new_ptr + new_at, mask=f_mask, other=0.0).to(tl.float32), k)
+                    v = tl.where(f_mask, tl.load(v_new_ptr + new_at, mask=f_mask, other=0.0).to(tl.float32), v)
         m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, offs_j, j_ok, q_pos, row_ok, sm_scale, softcap,
                                      window, sinks, USE_WINDOW, USE_SINKS, USE_SOFTCAP)
 

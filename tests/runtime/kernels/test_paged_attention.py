@@ -47,15 +47,21 @@ def test_paged_attention_matches_reference(device, H, KVH, D, kv_dtype, scales, 
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("kv_dtype,scales,window,splits", [(torch.int8, "token", None, None),
-                                                            (torch.float8_e4m3fn, "token", 4, 2),
-                                                            (torch.int8, "scalar", None, 3)])
-def test_the_steps_own_rows_are_read_exact_from_a_quantized_cache(device, kv_dtype, scales, window, splits):
+@pytest.mark.parametrize("kv_dtype,scales,window,splits,lens", [
+    (torch.int8, "token", None, None, (CTX, QLEN)),
+    (torch.float8_e4m3fn, "token", 4, 2, (CTX, QLEN)),
+    (torch.int8, "scalar", None, 3, (CTX, QLEN)),
+    # key tiles wholly before the step's own rows (a decode at 37, 3 new rows at 70) and tiles holding some
+    (torch.int8, "token", None, None, ([40, 37, 70], [40, 1, 3])),
+    (torch.float8_e4m3fn, "token", None, 2, ([40, 37, 70], [40, 1, 3])),
+])
+def test_the_steps_own_rows_are_read_exact_from_a_quantized_cache(device, kv_dtype, scales, window, splits, lens):
     """Given the step's new rows, the kernel attends them exact in place of their quantized copies
     (the prompt in full precision), every earlier row as stored; the reference does the same."""
-    b = make_paged_batch(CTX, QLEN, 6, 2, 32, kv_dtype, scales, device=device)
+    ctx, qlen = lens
+    b = make_paged_batch(ctx, qlen, 6, 2, 32, kv_dtype, scales, device=device)
     g = torch.Generator().manual_seed(1)
-    k, v = (torch.randn(sum(QLEN), 2, 32, generator=g).to(device) for _ in range(2))
+    k, v = (torch.randn(sum(qlen), 2, 32, generator=g).to(device) for _ in range(2))
     kw = dict(scale=32 ** -0.5, window=window, k_scale=b.k_scale, v_scale=b.v_scale)
     out = pa.paged_attention(*b.args(), num_splits=splits, k=k, v=v, **kw)
     ref = pa.reference_paged_attention(*b.args(), k=k, v=v, **kw)
@@ -63,7 +69,7 @@ def test_the_steps_own_rows_are_read_exact_from_a_quantized_cache(device, kv_dty
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
     assert not torch.allclose(ref, pa.reference_paged_attention(*b.args(), **kw), atol=1e-3)  # the rows matter
     with pytest.raises(KvslimError, match="from a quantized cache only"):
-        exact = make_paged_batch(CTX, QLEN, 6, 2, 32, torch.float32, None, device=device)
+        exact = make_paged_batch(ctx, qlen, 6, 2, 32, torch.float32, None, device=device)
         pa.paged_attention(*exact.args(), scale=1.0, k=k, v=v)
 
 
