@@ -83,6 +83,7 @@ class PagedBatch:
         query_lens: Sequence[int],
         tables: Sequence[Sequence[Sequence[int]]],  # per sequence, per group: block table
         device: torch.device | str = "cpu",
+        exact_new_rows: bool = True,
     ) -> "PagedBatch":
         num_groups = len(tables[0]) if tables else 0
         host = torch.device("cpu")  # built on the host, copied to ``device`` once
@@ -121,6 +122,7 @@ class PagedBatch:
             decode_rows=dev[4],
             slot_mapping_host=tuple(slot_mapping),
             positions_host=positions,
+            exact_new_rows=exact_new_rows,
         )
 
 

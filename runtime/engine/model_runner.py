@@ -8,7 +8,6 @@ run eagerly over ``PagedBatch.build``'s metadata (built on the host, copied to t
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -75,8 +74,8 @@ class ModelRunner:
     def score_piece(self, ids: Sequence[int], start: int, tables: Sequence[Sequence[int]]) -> torch.Tensor:
         """fp32 logits ``[len(ids), vocab]`` of one piece of a sequence scored through the cache
         (``Engine.score``): tokens ``ids`` at positions from ``start``, its blocks ``tables``."""
-        batch = replace(PagedBatch.build(self.block_size, [start], [len(ids)], [tables], self.device),
-                        exact_new_rows=False)  # FP8/INT8: each token reads its context as stored, as decoded
+        # FP8/INT8: each token reads its context as stored, as decoded
+        batch = PagedBatch.build(self.block_size, [start], [len(ids)], [tables], self.device, exact_new_rows=False)
         self.backend.set_batch(batch)
         step_ids = torch.tensor(list(ids), dtype=torch.long, device=self.device)
         return self.model.compute_logits(self.model(step_ids, batch.positions, self.backend))
