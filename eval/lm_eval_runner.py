@@ -232,9 +232,10 @@ class EvalPlan:
             # how int4/int2 KV is stored and read (2: a step's own rows exact, score a block per step;
             # 3: a width that also keeps each sequence's first block exact, low_bit_kv.EXACT_FIRST_BLOCK_BITS)
             **({"kvslim_low_bit_read": 3 if EXACT_FIRST_BLOCK_BITS & set(low_bit) else 2} if low_bit else {}),
-            # how FP8/INT8 KV is read (2: a step's own rows exact, earlier rows as stored); also
-            # under "auto", where a checkpoint's kv_cache_scheme may choose FP8
-            "kvslim_kv_read": 2,
+            # how FP8/INT8 KV is read (2: a step's own rows exact, earlier rows as stored; 3: and
+            # a scored token its own row exact, as decoded); also under "auto", where a
+            # checkpoint's kv_cache_scheme may choose FP8
+            "kvslim_kv_read": 3,
             **({"retrieval_contexts": list(self.retrieval_contexts), "retrieval_version": 1}
                if self.retrieval_tasks() else {}),
             **({"retrieval_samples": self.retrieval_samples}

@@ -62,12 +62,14 @@ def reference_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: int = 0,
+    own: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Plain-torch causal attention for one sequence, in fp32.
 
     q ``[Tq, H, D]``; k, v ``[Tk, KVH, D]``; positions are absolute token indices. Query i attends
     key j when ``k_pos[j] <= q_pos[i]`` and, with a window W, ``q_pos[i] - k_pos[j] < W`` or
-    ``k_pos[j] < sinks``.
+    ``k_pos[j] < sinks``. ``own`` (k, v ``[Tq, KVH, D]``): query i reads its own position's key and
+    value from row i of these instead (a decode step's exact own row over a quantized context).
     """
     h, kvh = q.shape[1], k.shape[1]
     rep = h // kvh
@@ -75,12 +77,19 @@ def reference_attention(
     kf = k.float().repeat_interleave(rep, dim=1).transpose(0, 1)
     vf = v.float().repeat_interleave(rep, dim=1).transpose(0, 1)
     scores = (qf @ kf.transpose(1, 2)) * scale  # [H, Tq, Tk]
+    if own is not None:
+        at_own = q_positions.view(-1, 1) == k_positions.view(1, -1)  # [Tq, Tk]
+        own_k, own_v = (t.float().repeat_interleave(rep, dim=1).transpose(0, 1) for t in own)  # [H, Tq, D]
+        scores = torch.where(at_own, ((qf * own_k).sum(-1) * scale).unsqueeze(-1), scores)
+        vf_own = own_v - at_own.float() @ vf  # [H, Tq, D]: what reading its own row exact adds
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     dist = q_positions.view(-1, 1) - k_positions.view(1, -1)
     allowed = dist >= 0
     if window is not None:
         allowed &= (dist < window) | (k_positions.view(1, -1) < sinks)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ vf  # [H, Tq, D]
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    out = probs @ vf  # [H, Tq, D]
+    if own is not None:
+        out = out + (probs * at_own).sum(-1, keepdim=True) * vf_own
     return out.transpose(0, 1).to(q.dtype)

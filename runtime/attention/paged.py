@@ -8,9 +8,9 @@ prefix plus the chunk. Quantized caches are dequantized on read to q's dtype; SD
 math (fp32 accumulation); logit softcap takes a plain fp32 path. With a quantized cache a step
 reads its own new rows exact (KIVI: the prompt is attended in full precision) and everything
 written before as stored: FP8/INT8 rows quantized; with int4/int2 earlier blocks quantized, the
-sequence's open block exact. ``Engine.score`` has FP8/INT8 read a piece's own rows as stored
-(``PagedBatch.exact_new_rows``): each scored token reads its context as a decode would, and its own
-row quantized where a decode step reads it exact (perplexity errs pessimistic by that row). Keys
+sequence's open block exact. ``Engine.score`` has FP8/INT8 read a piece's rows as a decode step
+would (``PagedBatch.exact_new_rows`` False): each scored token its own row exact, every other row
+as stored. Keys
 arrive before rotary (``AttentionParams.key_rope``): rotated here before the write, or, in a layout that stores
 them before RoPE (int2), after it, and every key read rotated at its position in fp32.
 """
@@ -54,9 +54,9 @@ class PagedBatch:
     # per int4/int2 group, the step's writes already planned and applied (a CUDA graph's per-row
     # plans, ``WritePlan.per_row_plan``); None: the backend's ``set_batch`` plans them
     write_plans: Mapping[int, WritePlan] | None = None
-    # FP8/INT8 layers read the step's own rows exact (False: as stored, so that ``Engine.score``'s
-    # tokens read their context as decoding would, their own row quantized; int4/int2 read theirs
-    # exact either way)
+    # FP8/INT8 layers read the step's new rows exact (False: each token only its own row exact and
+    # the others as stored, as a decode step reads them: ``Engine.score``; int4/int2 read every new
+    # row exact either way)
     exact_new_rows: bool = True
 
     def packed_writes(self, cache: KVCache) -> dict[int, WritePlan]:
@@ -151,6 +151,33 @@ def _attend(
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, v.permute(0, 2, 1, 3).unsqueeze(2))  # [S, KVH, rep, Tq, D]
     return out.permute(0, 3, 1, 2, 4).reshape(s, tq, h, d).to(dtype)
+
+
+def _attend_own_row(
+    q: torch.Tensor,  # [1, Tq, H, D]
+    k: torch.Tensor,  # [1, Tk, KVH, D]: the context as stored (dequantized to q's dtype)
+    v: torch.Tensor,
+    k_own: torch.Tensor,  # [Tq, KVH, D]: each query token's own row, exact
+    v_own: torch.Tensor,
+    allowed: torch.Tensor,  # [1, Tq, Tk] bool
+    at: int,  # the first query token's own key among the Tk
+    params: AttentionParams,
+) -> torch.Tensor:
+    """``_attend`` in fp32 with each query token reading its own key and value exact and every other
+    row as stored: what a decode step of that token reads."""
+    s, tq, h, d = q.shape
+    kvh = k.shape[2]
+    qh = q.float().view(s, tq, kvh, h // kvh, d).permute(0, 2, 3, 1, 4)  # [1, KVH, rep, Tq, D]
+    scores = torch.matmul(qh, k.float().permute(0, 2, 3, 1).unsqueeze(2)) * params.scale  # [1, KVH, rep, Tq, Tk]
+    rows, cols = torch.arange(tq, device=q.device), torch.arange(at, at + tq, device=q.device)
+    own_k, own_v = (t.float().permute(1, 0, 2)[None, :, None] for t in (k_own, v_own))  # [1, KVH, 1, Tq, D]
+    scores[..., rows, cols] = (qh * own_k).sum(-1) * params.scale
+    if params.softcap is not None:
+        scores = torch.tanh(scores / params.softcap) * params.softcap
+    probs = torch.softmax(scores.masked_fill(~allowed[:, None, None], float("-inf")), dim=-1)
+    vf = v.float().permute(0, 2, 1, 3).unsqueeze(2)  # [1, KVH, 1, Tk, D]
+    out = torch.matmul(probs, vf) + probs[..., rows, cols].unsqueeze(-1) * (own_v - vf[..., cols, :])
+    return out.permute(0, 3, 1, 2, 4).reshape(s, tq, h, d).to(q.dtype)
 
 
 @dataclass(frozen=True)
@@ -293,10 +320,12 @@ class PagedAttentionBackend:
             plan = self._write_plans[g] if packed else None
             self.cache.write(layer_idx, k if read_rope else k_rotated, v, batch.slot_mapping[g], plan)
             k = k_rotated
-        own_rows_exact = packed or (batch.exact_new_rows and self.cache.is_quantized(layer_idx))
-        if own_rows_exact and k is not None:
+        quantized = self.cache.is_quantized(layer_idx)
+        own_rows_exact = packed or (batch.exact_new_rows and quantized)  # every new row exact
+        own_row_only = quantized and not own_rows_exact  # each token its own row exact, as decoded
+        if quantized and k is not None:
             self._new_rows_by_slot[slot] = (k, v)
-        elif own_rows_exact:  # a layer reading another layer's KV reads its new rows exact too
+        elif quantized:  # a layer reading another layer's KV reads its new rows exact too
             k, v = self._new_rows_by_slot.get(slot, (None, None))
         softcap = params.softcap is not None
         key = (g, params.window, params.sinks, q.dtype, softcap)
@@ -304,16 +333,17 @@ class PagedAttentionBackend:
             self._plans[key] = _plan(batch, batch.block_tables[g], params.window, params.sinks, q.dtype, softcap)
         plan = self._plans[key]
         overlay_new_rows = k is not None and own_rows_exact  # read this step's rows exact
+        overlay_own_row = k is not None and quantized  # a decoding token's one new row is its own
         if plan.decode_blocks is not None and not plan.chunks:  # a pure decode step
             kk, vv = self._read(layer_idx, plan.decode_blocks, plan.decode_key_pos, q.dtype, read_rope)
-            if overlay_new_rows:
+            if overlay_own_row:
                 _put_decode_rows(kk, vv, k, v, plan.decode_new_key)
             return _attend_decode(q, kk, vv, plan, params)
         out = torch.empty_like(q)
         if plan.decode_blocks is not None:
             rows = batch.decode_rows
             kk, vv = self._read(layer_idx, plan.decode_blocks, plan.decode_key_pos, q.dtype, read_rope)
-            if overlay_new_rows:
+            if overlay_own_row:
                 _put_decode_rows(kk, vv, k[rows], v[rows], plan.decode_new_key)
             out[rows] = _attend_decode(q[rows], kk, vv, plan, params)
         new_rows_cached_exactly = k is not None and (overlay_new_rows
@@ -332,6 +362,10 @@ class PagedAttentionBackend:
             kk, vv = self._read(layer_idx, blocks, key_pos, q.dtype, read_rope)
             if overlay_new_rows:
                 kk[0, fresh_at:fresh_at + n], vv[0, fresh_at:fresh_at + n] = k[rows], v[rows]
+            elif own_row_only and k is not None:
+                out[rows] = _attend_own_row(q[rows].unsqueeze(0), kk, vv, k[rows], v[rows], allowed, fresh_at,
+                                            params).squeeze(0)
+                continue
             out[rows] = _attend(q[rows].unsqueeze(0), kk, vv, allowed, params).squeeze(0)
         return out
 

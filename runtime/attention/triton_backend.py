@@ -6,7 +6,7 @@ whole flattened batch: Triton on CUDA, the plain-torch references on CPU.
 bf16/fp16/fp32/fp8/int8 layers take ``store_kv`` and ``paged_attention``; packed int4/int2 layers
 (``PackedLayerCache``) ``store_packed_kv`` and ``packed_paged_attention``. Over a quantized cache
 (FP8/INT8 or packed) the attention reads the step's own new rows exact from ``k``/``v``, as the
-torch path. Layers that read another layer's KV get the owner's cache tensors, and over a
+torch path (``Engine.score``: each token only its own row, as a decode step reads it). Layers that read another layer's KV get the owner's cache tensors, and over a
 quantized cache the owner's new rows of this step. Keys
 arrive before rotary and are rotated here (torch) before the store, except in a layout that stores
 them before RoPE (int2), whose attention kernel rotates each key it reads.
@@ -133,8 +133,10 @@ class KernelAttentionBackend:
             self._store(k_rotated, v, lc.k_cache, lc.v_cache, batch.slot_mapping[g], lc.k_scale, lc.v_scale,
                         validate=False)
             self._new_rows_by_slot[slot] = (k_rotated, v)
-        # a quantized cache: the step's own rows read exact (a layer reading another's KV too)
-        exact = lc.k_scale is not None and batch.exact_new_rows
+        # a quantized cache: the step's new rows read exact, or each token only its own (a layer
+        # reading another's KV too)
+        exact = lc.k_scale is not None
         k, v = self._new_rows_by_slot.get(slot, (None, None)) if exact else (None, None)
         return self._attention(q, lc.k_cache, lc.v_cache, *meta, lc.k_scale, lc.v_scale, sinks=params.sinks,
-                               k=k, v=v, validate=False, **self._launch_bounds)
+                               k=k, v=v, own_row_only=not batch.exact_new_rows, validate=False,
+                               **self._launch_bounds)

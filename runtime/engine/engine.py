@@ -350,8 +350,8 @@ class Engine:
         paged cache (so quantized KV is read back as served), fed in ``pieces`` (token counts
         that sum to T; default: chunks of ``max_num_batched_tokens``, or of one block with int4/int2
         KV, so that every token reads what it would when decoded: earlier blocks quantized, its own
-        block exact; decoding, a block's last token reads its block-mates quantized; FP8/INT8 read
-        every row of a piece as stored, its own too: ``PagedBatch.exact_new_rows``). Call between
+        block exact; decoding, a block's last token reads its block-mates quantized; FP8/INT8: each
+        token its own row exact and every other as stored: ``PagedBatch.exact_new_rows``). Call between
         steps; the sequence's blocks are freed before returning."""
         out: torch.Tensor | None = None  # filled piece by piece: [T, vocab] is the big tensor here
         for start, logits in self._score_pieces(token_ids, pieces):

@@ -74,7 +74,7 @@ class ModelRunner:
     def score_piece(self, ids: Sequence[int], start: int, tables: Sequence[Sequence[int]]) -> torch.Tensor:
         """fp32 logits ``[len(ids), vocab]`` of one piece of a sequence scored through the cache
         (``Engine.score``): tokens ``ids`` at positions from ``start``, its blocks ``tables``."""
-        # FP8/INT8: each token reads its context as stored, as decoded
+        # FP8/INT8: each token reads its own row exact and its context as stored, as decoded
         batch = PagedBatch.build(self.block_size, [start], [len(ids)], [tables], self.device, exact_new_rows=False)
         self.backend.set_batch(batch)
         step_ids = torch.tensor(list(ids), dtype=torch.long, device=self.device)

@@ -105,7 +105,7 @@ def _attention_variants() -> list[KernelVariant]:
         ("fp16 kv prefill d128 mha", "fp16", "fp16", False, False, 128, 1, False, 1, False, False, False),
         ("bf16 kv decode split d128 mqa32", "bf16", "bf16", False, False, 128, 32, True, 4, False, False, False),
         ("int8 kv/token decode window d256 gqa4", "bf16", "i8", True, True, 256, 4, True, 1, True, False, False),
-        ("fp8 kv/token prefill as stored d64", "bf16", "fp8e4nv", True, True, 64, 3, False, 1, False, False, True),
+        ("fp8 kv/token prefill own row d64", "bf16", "fp8e4nv", True, True, 64, 3, False, 1, False, False, True),
     ]
     for name, qd, cd, quant, per_token, d, qpk, decode, splits, window, softcap, quick in cases:
         block_m = max(16, 1 << (qpk - 1).bit_length()) if decode else max(64, 1 << (qpk - 1).bit_length())
@@ -117,7 +117,8 @@ def _attention_variants() -> list[KernelVariant]:
         consts = dict(QPK=qpk, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=block_m, BLOCK_Q=block_m // qpk,
                       BLOCK_N=32 if d <= 128 else 16, NUM_SPLITS=splits, KV_QUANT=quant,
                       SCALE_PER_TOKEN=per_token, USE_WINDOW=window, USE_SOFTCAP=softcap,
-                      FRESH=quant and "as stored" not in name)  # own rows exact; Engine.score's as stored
+                      # a quantized cache: the step's rows exact, or (Engine.score) each token its own
+                      FRESH=quant and "own row" not in name, OWN_ROW="own row" in name)
         out.append(KernelVariant(name, k, mod, ptrs, consts, quick, num_warps=attention_num_warps(block_m, d)))
     return out
 

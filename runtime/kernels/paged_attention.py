@@ -92,12 +92,16 @@ def _tile_start(t, sink_tiles, sink_end, split_lo, split_hi, BLOCK_N: tl.constex
 
 @triton.jit
 def _attend_tile(q, k, v, m_i, l_i, acc, offs_j, j_ok, q_pos, row_ok, sm_scale, softcap, window, sinks,
-                 USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, USE_SOFTCAP: tl.constexpr):
-    """One online-softmax step over a ``[BLOCK_N, D]`` tile of keys and values at ``offs_j``."""
+                 USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+                 SKIP_OWN: tl.constexpr = False):
+    """One online-softmax step over a ``[BLOCK_N, D]`` tile of keys and values at ``offs_j``;
+    ``SKIP_OWN``: no row attends the key at its own position here (``_attend_own`` adds it)."""
     s = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale
     if USE_SOFTCAP:
         s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))  # softcap * tanh(s / softcap)
     allowed = row_ok[:, None] & j_ok[None, :] & (offs_j[None, :] <= q_pos[:, None])
+    if SKIP_OWN:
+        allowed = allowed & (offs_j[None, :] != q_pos[:, None])
     if USE_WINDOW:
         in_window = q_pos[:, None] - offs_j[None, :] < window
         if USE_SINKS:
@@ -111,6 +115,20 @@ def _attend_tile(q, k, v, m_i, l_i, acc, offs_j, j_ok, q_pos, row_ok, sm_scale, 
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
     return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_own(q, k_own, v_own, m_i, l_i, acc, row_ok, sm_scale, softcap, USE_SOFTCAP: tl.constexpr):
+    """One online-softmax step over one key per row: each row's own ``k_own``/``v_own`` ``[BLOCK_M, D]``."""
+    s = tl.sum(q.to(tl.float32) * k_own, axis=1) * sm_scale
+    if USE_SOFTCAP:
+        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+    s = tl.where(row_ok, s * 1.4426950408889634, float("-inf"))
+    m_new = tl.maximum(m_i, s)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe)
+    alpha = tl.exp2(m_i - m_safe)
+    return m_new, l_i * alpha + p, acc * alpha[:, None] + p[:, None] * v_own
 
 
 @triton.jit
@@ -135,11 +153,12 @@ def paged_attention_kernel(
     QPK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     KV_QUANT: tl.constexpr, SCALE_PER_TOKEN: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    USE_SINKS: tl.constexpr = False, FRESH: tl.constexpr = False,
+    USE_SINKS: tl.constexpr = False, FRESH: tl.constexpr = False, OWN_ROW: tl.constexpr = False,
 ):
     """Grid ``(S, cdiv(max_q_len, BLOCK_Q), KVH * NUM_SPLITS)`` (query tile rows: ``_query_rows``).
     ``FRESH`` (quantized caches): keys at positions ``>= ctx - q_len``, the step's own, are read
-    exact from ``k_new``/``v_new`` ``[T, KVH, D]`` instead of the cache."""
+    exact from ``k_new``/``v_new`` ``[T, KVH, D]`` instead of the cache. ``OWN_ROW`` (instead):
+    each row reads only the key at its own position exact from there, as a decode step would."""
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
     kvh = tl.program_id(2) // NUM_SPLITS
@@ -191,7 +210,14 @@ def paged_attention_kernel(
                     k = tl.where(f_mask, tl.load(k_new_ptr + new_at, mask=f_mask, other=0.0).to(tl.float32), k)
                     v = tl.where(f_mask, tl.load(v_new_ptr + new_at, mask=f_mask, other=0.0).to(tl.float32), v)
         m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, offs_j, j_ok, q_pos, row_ok, sm_scale, softcap,
-                                     window, sinks, USE_WINDOW, USE_SINKS, USE_SOFTCAP)
+                                     window, sinks, USE_WINDOW, USE_SINKS, USE_SOFTCAP, OWN_ROW)
+    if OWN_ROW:
+        if split == 0:  # the split merge adds the other splits' keys
+            own_at = ((q_start + tok) * stride_nt + kvh * stride_nh)[:, None] + offs_d[None, :]
+            own_mask = row_ok[:, None] & d_ok[None, :]
+            k_own = tl.load(k_new_ptr + own_at, mask=own_mask, other=0.0).to(tl.float32)
+            v_own = tl.load(v_new_ptr + own_at, mask=own_mask, other=0.0).to(tl.float32)
+            m_i, l_i, acc = _attend_own(q, k_own, v_own, m_i, l_i, acc, row_ok, sm_scale, softcap, USE_SOFTCAP)
 
     _store_output(out_ptr, lse_ptr, acc, m_i, l_i, split, q_start, tok, head, row_ok, offs_d, d_ok,
                 stride_ot, stride_oh, stride_osplit, stride_lt, stride_lsplit, NUM_SPLITS)
@@ -339,11 +365,13 @@ def paged_attention(
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
     *,
+    own_row_only: bool = False,
     validate: bool = True,
 ) -> torch.Tensor:
     """Causal attention of the step's tokens over their paged context (see module docstring).
     ``k``, ``v`` ``[T, KVH, D]`` (a quantized cache only): the step's new rows, already stored,
-    read exact instead of from the cache (the prompt attended in full precision, as KIVI does).
+    read exact instead of from the cache (the prompt attended in full precision, as KIVI does);
+    ``own_row_only``: each token reads only its own row exact, the others as stored (a decode step's view).
     ``max_query_len``/``max_context_len`` avoid a device sync when the caller knows them.
     ``validate=False``: the caller checked the cache once (``check_layer_cache``) and the batch
     where it built it (``check_batch``)."""
@@ -389,7 +417,7 @@ def paged_attention(
         BLOCK_M=plan.block_m, BLOCK_Q=plan.block_q, BLOCK_N=32 if D <= 128 else 16, NUM_SPLITS=plan.splits,
         # modes
         KV_QUANT=quant, SCALE_PER_TOKEN=per_token, USE_WINDOW=window is not None, USE_SOFTCAP=softcap is not None,
-        USE_SINKS=window is not None and sinks > 0, FRESH=fresh,
+        USE_SINKS=window is not None and sinks > 0, FRESH=fresh and not own_row_only, OWN_ROW=fresh and own_row_only,
         num_warps=attention_num_warps(plan.block_m, D),
     )
     return plan.result()
@@ -413,9 +441,11 @@ def attend_sequences(
     window: int | None,
     softcap: float | None,
     sinks: int = 0,
+    own: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``reference_attention`` per sequence over the K, V ``[ctx, KVH, D]`` that ``gather(seq, ctx)``
-    returns (the references of every paged layout)."""
+    returns (the references of every paged layout); ``own``: each token's own row ``[T, KVH, D]``,
+    read exact in place of the gathered one."""
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     for s, ctx in enumerate(context_lens.tolist()):
@@ -425,7 +455,9 @@ def attend_sequences(
         k, v = gather(s, ctx)
         q_pos = torch.arange(ctx - (b - a), ctx, device=q.device)
         k_pos = torch.arange(ctx, device=q.device)
-        out[a:b] = reference_attention(q[a:b].float(), k, v, q_pos, k_pos, scale, window, softcap, sinks).to(q.dtype)
+        rows = None if own is None else (own[0][a:b], own[1][a:b])
+        out[a:b] = reference_attention(q[a:b].float(), k, v, q_pos, k_pos, scale, window, softcap, sinks,
+                                       rows).to(q.dtype)
     return out
 
 
@@ -447,12 +479,13 @@ def reference_paged_attention(
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
     *,
+    own_row_only: bool = False,
     validate: bool = True,
 ) -> torch.Tensor:
     """Plain-torch oracle (and CPU path) for ``paged_attention``: per sequence, gather and
-    dequantize its cache (its new rows from ``k``/``v`` where given), then
-    ``attention_backend.reference_attention``. The launch bounds (``max_query_len``,
-    ``max_context_len``) are the kernel's; the reference reads each sequence's own."""
+    dequantize its cache (its new rows from ``k``/``v`` where given; ``own_row_only``: each token
+    only its own row), then ``attention_backend.reference_attention``. The launch bounds
+    (``max_query_len``, ``max_context_len``) are the kernel's; the reference reads each sequence's own."""
     if validate:
         _check_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, k_scale, v_scale)
         check_new_rows(q, k, v, k_cache, k_scale)
@@ -461,9 +494,10 @@ def reference_paged_attention(
     def gather(s: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
         kk = gather_sequence_kv(k_cache, k_scale, block_tables[s], ctx)
         vv = gather_sequence_kv(v_cache, v_scale, block_tables[s], ctx)
-        if k is not None:
+        if k is not None and not own_row_only:
             a, b = starts[s], starts[s + 1]
             kk[ctx - (b - a):], vv[ctx - (b - a):] = k[a:b].float(), v[a:b].float()
         return kk, vv
 
-    return attend_sequences(q, gather, context_lens, query_start_loc, scale, window, softcap, sinks)
+    own = (k, v) if k is not None and own_row_only else None
+    return attend_sequences(q, gather, context_lens, query_start_loc, scale, window, softcap, sinks, own)

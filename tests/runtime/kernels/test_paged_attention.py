@@ -73,6 +73,44 @@ def test_the_steps_own_rows_are_read_exact_from_a_quantized_cache(device, kv_dty
         pa.paged_attention(*exact.args(), scale=1.0, k=k, v=v)
 
 
+@pytest.mark.parametrize("kv_dtype,scales,window,sinks,softcap,splits,lens", [
+    (torch.int8, "token", None, 0, None, None, (CTX, QLEN)),
+    (torch.float8_e4m3fn, "token", 4, 0, 30.0, 2, (CTX, QLEN)),
+    (torch.int8, "scalar", None, 0, None, 3, ([40, 37, 70], [40, 1, 3])),
+    (torch.float8_e4m3fn, "token", 6, 2, None, 2, ([40, 37, 70], [40, 1, 3])),
+])
+def test_each_token_can_read_only_its_own_row_exact(device, kv_dtype, scales, window, sinks, softcap, splits, lens):
+    """``own_row_only``: every token reads its own new row exact and every other row, the step's
+    too, as stored (what a decode step of that token reads). The reference against a row-by-row
+    definition, the kernel against the reference."""
+    ctx, qlen = lens
+    b = make_paged_batch(ctx, qlen, 6, 2, 32, kv_dtype, scales, device=device)
+    g = torch.Generator().manual_seed(2)
+    k, v = (torch.randn(sum(qlen), 2, 32, generator=g).to(device) for _ in range(2))
+    kw = dict(scale=32 ** -0.5, window=window, softcap=softcap, sinks=sinks, k_scale=b.k_scale, v_scale=b.v_scale)
+    ref = pa.reference_paged_attention(*b.args(), k=k, v=v, own_row_only=True, **kw)
+    starts = [0]
+    for n in qlen:
+        starts.append(starts[-1] + n)
+    for s, c in enumerate(ctx):
+        kk = pa.gather_sequence_kv(b.k_cache, b.k_scale, b.block_tables[s], c)
+        vv = pa.gather_sequence_kv(b.v_cache, b.v_scale, b.block_tables[s], c)
+        for row in range(starts[s], starts[s + 1]):
+            pos = c - (starts[s + 1] - row)
+            k1, v1 = kk.clone(), vv.clone()
+            k1[pos], v1[pos] = k[row].float(), v[row].float()
+            want = reference_attention(b.q[row:row + 1].float(), k1, v1, torch.tensor([pos], device=device),
+                                       torch.arange(c, device=device), 32 ** -0.5, window, softcap, sinks)
+            torch.testing.assert_close(ref[row:row + 1], want.to(ref.dtype), rtol=1e-5, atol=1e-5)
+    out = pa.paged_attention(*b.args(), num_splits=splits, k=k, v=v, own_row_only=True, **kw)
+    tol = 1e-2 if device.type == "cuda" else 1e-5
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    every_new_row = pa.reference_paged_attention(*b.args(), k=k, v=v, **kw)
+    assert not torch.allclose(ref, every_new_row, atol=1e-3)  # prefills differ; decodes agree
+    decode = torch.tensor([starts[i] for i, n in enumerate(qlen) if n == 1])
+    torch.testing.assert_close(ref[decode], every_new_row[decode], rtol=1e-5, atol=1e-5)
+
+
 # Long enough that later query tiles and decodes start their window past the sinks.
 SINK_CTX, SINK_QLEN = [40, 37, 70], [40, 1, 3]
 SINK_CASES = [  # (heads, kv heads, head dim, kv dtype, window, sinks, splits)
