@@ -6,10 +6,10 @@ whole flattened batch: Triton on CUDA, the plain-torch references on CPU.
 bf16/fp16/fp32/fp8/int8 layers take ``store_kv`` and ``paged_attention``; packed int4/int2 layers
 (``PackedLayerCache``) ``store_packed_kv`` and ``packed_paged_attention``. Over a quantized cache
 (FP8/INT8 or packed) the attention reads the step's own new rows exact from ``k``/``v``, as the
-torch path (``Engine.score``: each token only its own row, as a decode step reads it). Layers that read another layer's KV get the owner's cache tensors, and over a
-quantized cache the owner's new rows of this step. Keys
-arrive before rotary and are rotated here (torch) before the store, except in a layout that stores
-them before RoPE (int2), whose attention kernel rotates each key it reads.
+torch path (``Engine.score``: each token only its own row, as a decode step reads it). Layers that
+read another layer's KV get the owner's cache tensors, and over a quantized cache the owner's new
+rows of this step. Keys arrive before rotary and are rotated here (torch) before the store, except
+in a layout that stores them before RoPE (int2), whose attention kernel rotates each key it reads.
 """
 from __future__ import annotations
 
