@@ -318,6 +318,8 @@ def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase
         raise KvslimError(f"--min-retrieval {min_retrieval} must be in [0, 1] (points of accuracy below the original)")
     if retrieval_samples < 1:
         raise KvslimError(f"--retrieval-samples must be a positive integer, got {retrieval_samples}")
+    if any(w < 1 for w in windows):
+        raise KvslimError(f"--plan-windows must be positive token counts, got {' '.join(map(str, windows))}")
     n = layout.num_layers
     windows = tuple(w for w in windows if w < ctx)
     source = calib or DEFAULT_CALIB

@@ -86,6 +86,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retrieval-samples", type=int, default=None, metavar="N",
                    help="with the retrieval bound: calibration prompts per task and depth (default 1: 10 prompts, "
                         "where one miss moves a depth by 50 points; more make the bound stricter and slower)")
+    p.add_argument("--plan-windows", type=int, nargs="+", default=None, metavar="W",
+                   help="with --kv-budget / --max-ppl-increase: the sliding windows (with 4 sinks) the plan may "
+                        "choose for windowed layers and streaming heads, each below --ctx (default 1024 512 256)")
     p.add_argument("--ctx", type=int, help="with --kv-budget / --max-ppl-increase: the context the plan's bytes and "
                                            "perplexity are measured at (default 2048)")
     p.add_argument("--eval-tokens", type=int, default=4096,
@@ -109,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     if args.ctx is not None and not planning:
         raise KvslimError("--ctx applies to a KV plan (--kv-budget R or --max-ppl-increase P)")
     for flag, value in (("--min-retrieval", args.min_retrieval), ("--kv-dtypes", args.kv_dtypes),
-                        ("--retrieval-samples", args.retrieval_samples)):
+                        ("--retrieval-samples", args.retrieval_samples), ("--plan-windows", args.plan_windows)):
         if value is not None and not planning:
             raise KvslimError(f"{flag} applies to a KV plan (--kv-budget R or --max-ppl-increase P)")
     if planning and _rewrites(args):
@@ -161,6 +164,7 @@ def _plan(args: argparse.Namespace, source) -> int:
         DEFAULT_MIN_RETRIEVAL,
         DEFAULT_PLAN_CTX,
         PLAN_DTYPES,
+        PLAN_WINDOWS,
         RETRIEVAL_SAMPLES,
         plan_kv,
         write_planned_checkpoint,
@@ -170,6 +174,7 @@ def _plan(args: argparse.Namespace, source) -> int:
     check_output_dir(Path(args.out), args.force)
     bound = DEFAULT_MIN_RETRIEVAL if args.min_retrieval is None else args.min_retrieval
     plan = plan_kv(source, args.kv_budget, args.max_ppl_increase, args.ctx or DEFAULT_PLAN_CTX, args.calib,
+                   windows=tuple(dict.fromkeys(args.plan_windows)) if args.plan_windows else PLAN_WINDOWS,
                    dtypes=tuple(dict.fromkeys(args.kv_dtypes)) if args.kv_dtypes else PLAN_DTYPES,
                    progress=lambda line: print(f"  {line}", flush=True), min_retrieval=None if bound >= 1 else bound,
                    retrieval_samples=RETRIEVAL_SAMPLES if args.retrieval_samples is None else args.retrieval_samples)

@@ -219,7 +219,8 @@ def test_a_quality_plan_that_no_candidate_keeps_retrieval_for_is_one_line(tiny_w
     assert plan.chosen.retrieval is None and plan.retrieval_bound_met is None
 
 
-@pytest.mark.parametrize("flag", [["--min-retrieval", "0.1"], ["--kv-dtypes", "int4"], ["--retrieval-samples", "4"]])
+@pytest.mark.parametrize("flag", [["--min-retrieval", "0.1"], ["--kv-dtypes", "int4"], ["--retrieval-samples", "4"],
+                                  ["--plan-windows", "128"]])
 def test_plan_flags_without_a_plan_are_one_line(tiny_with_tokenizer, tmp_path, capsys, flag):
     from cli.main import main
 
@@ -235,6 +236,21 @@ def test_the_cli_refuses_zero_retrieval_samples_in_one_line(tiny_with_tokenizer,
                  "--retrieval-samples", "0", "-o", str(tmp_path / "p")]) == 2
     err = capsys.readouterr().err
     assert "--retrieval-samples must be a positive integer, got 0" in err and err.count("\n") == 1
+
+
+def test_the_cli_plans_among_the_given_windows(tiny_with_tokenizer, tmp_path, capsys, monkeypatch):
+    from cli.main import main
+
+    _fake_retrieval(monkeypatch, lambda config, kv: True)
+    assert main(["convert", str(tiny_with_tokenizer), "--kv-budget", "0.6", "--ctx", str(CTX), "--kv-dtypes", "int8",
+                 "--plan-windows", "8", "-o", str(tmp_path / "p")]) == 0
+    windows = {c["window"] for c in json.loads((tmp_path / "p" / "plan.json").read_text())["candidates"]}
+    assert windows <= {None, 8} and 8 in windows
+    capsys.readouterr()
+    assert main(["convert", str(tiny_with_tokenizer), "--kv-budget", "0.6", "--ctx", str(CTX),
+                 "--plan-windows", "0", "-o", str(tmp_path / "q")]) == 2
+    err = capsys.readouterr().err
+    assert "--plan-windows must be positive token counts, got 0" in err and err.count("\n") == 1
 
 
 def test_the_cli_plans_among_the_given_dtypes(tiny_with_tokenizer, tmp_path, capsys):
