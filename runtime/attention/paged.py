@@ -153,6 +153,9 @@ def _attend(
     return out.permute(0, 3, 1, 2, 4).reshape(s, tq, h, d).to(dtype)
 
 
+OWN_ROW_BLOCK = 128  # ``_attend_own_row``'s query rows at a time
+
+
 def _attend_own_row(
     q: torch.Tensor,  # [1, Tq, H, D]
     k: torch.Tensor,  # [1, Tk, KVH, D]: the context as stored (dequantized to q's dtype)
@@ -164,20 +167,27 @@ def _attend_own_row(
     params: AttentionParams,
 ) -> torch.Tensor:
     """``_attend`` in fp32 with each query token reading its own key and value exact and every other
-    row as stored: what a decode step of that token reads."""
+    row as stored: what a decode step of that token reads. Query rows go ``OWN_ROW_BLOCK`` at a
+    time, so the fp32 scores stay ``[KVH, rep, OWN_ROW_BLOCK, Tk]`` at long contexts."""
     s, tq, h, d = q.shape
     kvh = k.shape[2]
-    qh = q.float().view(s, tq, kvh, h // kvh, d).permute(0, 2, 3, 1, 4)  # [1, KVH, rep, Tq, D]
-    scores = torch.matmul(qh, k.float().permute(0, 2, 3, 1).unsqueeze(2)) * params.scale  # [1, KVH, rep, Tq, Tk]
-    rows, cols = torch.arange(tq, device=q.device), torch.arange(at, at + tq, device=q.device)
-    own_k, own_v = (t.float().permute(1, 0, 2)[None, :, None] for t in (k_own, v_own))  # [1, KVH, 1, Tq, D]
-    scores[..., rows, cols] = (qh * own_k).sum(-1) * params.scale
-    if params.softcap is not None:
-        scores = torch.tanh(scores / params.softcap) * params.softcap
-    probs = torch.softmax(scores.masked_fill(~allowed[:, None, None], float("-inf")), dim=-1)
+    kt = k.float().permute(0, 2, 3, 1).unsqueeze(2)  # [1, KVH, 1, D, Tk]
     vf = v.float().permute(0, 2, 1, 3).unsqueeze(2)  # [1, KVH, 1, Tk, D]
-    out = torch.matmul(probs, vf) + probs[..., rows, cols].unsqueeze(-1) * (own_v - vf[..., cols, :])
-    return out.permute(0, 3, 1, 2, 4).reshape(s, tq, h, d).to(q.dtype)
+    out = torch.empty(s, tq, h, d, dtype=q.dtype, device=q.device)
+    for r0 in range(0, tq, OWN_ROW_BLOCK):
+        r1 = min(tq, r0 + OWN_ROW_BLOCK)
+        qh = q[:, r0:r1].float().view(s, r1 - r0, kvh, h // kvh, d).permute(0, 2, 3, 1, 4)  # [1, KVH, rep, n, D]
+        scores = torch.matmul(qh, kt) * params.scale  # [1, KVH, rep, n, Tk]
+        rows = torch.arange(r1 - r0, device=q.device)
+        cols = rows + at + r0
+        own_k, own_v = (t[r0:r1].float().permute(1, 0, 2)[None, :, None] for t in (k_own, v_own))  # [1, KVH, 1, n, D]
+        scores[..., rows, cols] = (qh * own_k).sum(-1) * params.scale
+        if params.softcap is not None:
+            scores = torch.tanh(scores / params.softcap) * params.softcap
+        probs = torch.softmax(scores.masked_fill_(~allowed[:, None, None, r0:r1], float("-inf")), dim=-1)
+        o = torch.matmul(probs, vf) + probs[..., rows, cols].unsqueeze(-1) * (own_v - vf[..., cols, :])
+        out[:, r0:r1] = o.permute(0, 3, 1, 2, 4).reshape(s, r1 - r0, h, d)
+    return out
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,7 @@ def _attention_variants() -> list[KernelVariant]:
         ("bf16 kv decode split d128 mqa32", "bf16", "bf16", False, False, 128, 32, True, 4, False, False, False),
         ("int8 kv/token decode window d256 gqa4", "bf16", "i8", True, True, 256, 4, True, 1, True, False, False),
         ("fp8 kv/token prefill own row d64", "bf16", "fp8e4nv", True, True, 64, 3, False, 1, False, False, True),
+        ("int8 kv/token decode split own row d64", "bf16", "i8", True, True, 64, 3, True, 4, True, False, True),
     ]
     for name, qd, cd, quant, per_token, d, qpk, decode, splits, window, softcap, quick in cases:
         block_m = max(16, 1 << (qpk - 1).bit_length()) if decode else max(64, 1 << (qpk - 1).bit_length())

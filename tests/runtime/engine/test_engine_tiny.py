@@ -266,6 +266,33 @@ def test_a_prompt_is_attended_exact_and_scored_as_decoded(tiny_llama, kv_dtype, 
     assert gap.mean() < 2e-4 and gap.max() < 2e-3
 
 
+@pytest.fixture(scope="module")
+def sinks_checkpoint(tiny_llama, tmp_path_factory):
+    """Sliding window 8 with 5 sinks on every layer but one."""
+    from attention_variants.convert import ConvertSpec, convert
+
+    return convert(tiny_llama, ConvertSpec(sliding_window=8, global_layers=(3,), sinks=5),
+                   tmp_path_factory.mktemp("sinks") / "ckpt").out
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("layout,kv_dtype", [("sinks", "int8"), ("sinks", "fp8_e4m3"), ("shared", "int8")])
+def test_scoring_reads_what_decoding_reads_over_windows_and_shared_kv(sinks_checkpoint, kv_shared_checkpoint,
+                                                                      layout, kv_dtype, backend, monkeypatch):
+    """Windows with sinks and layers reading another's KV: pieces that start mid-block score as a
+    token at a time does (the torch path's query rows a few at a time)."""
+    monkeypatch.setattr("runtime.attention.paged.OWN_ROW_BLOCK", 5)
+    path = sinks_checkpoint if layout == "sinks" else kv_shared_checkpoint
+    engine = Engine(load_model(path, "float32"), EngineConfig(
+        block_size=4, max_num_batched_tokens=64, max_model_len=128, kv_cache_bytes=2 << 20,
+        attention_backend=backend, kv_dtype=kv_dtype))
+    p = prompts(1, seed=9, lo=70, hi=71)[0]
+    decoded = engine.score(p, pieces=[1] * len(p))
+    for pieces in ([7, 13, 9, 21, 20], [5, 1, 1, 2, 61]):
+        gap = (engine.score(p, pieces=pieces) - decoded).abs()
+        assert gap.mean() < 2e-4 and gap.max() < 2e-3, pieces
+
+
 def test_bad_requests(tiny_llama):
     engine = Engine(load_model(tiny_llama), EngineConfig(block_size=4, max_model_len=64, kv_cache_bytes=1 << 20))
     from foundation.errors import KvslimError
