@@ -1,9 +1,9 @@
-"""How far a prompt's prefill drifts from the bf16 cache, by KV dtype and by how a step reads its own rows.
+"""How far a prompt's prefill drifts from the bf16 cache, by KV dtype and by how a step reads its new rows.
 
 A prompt's tokens are written to the cache and attended in the same step. Served (``LLM.generate``),
-a step reads its own new rows exact and everything written before as stored (int4/int2 always did;
-FP8/INT8 too). ``LLM.score`` reads a piece's own FP8/INT8 rows back as stored, as a decode step
-would read them later: the other choice, measured beside it. Each prompt token's logprob is compared
+a step reads its new rows exact and everything written before as stored (int4/int2 always did;
+FP8/INT8 too). ``LLM.score`` has each FP8/INT8 token read only its own row exact and the others as
+stored, as decoding the text token by token would: measured beside it. Each prompt token's logprob is compared
 with the bf16 cache's (mean absolute difference) and its perplexity reported, on calibration text
 (never the evaluation ranges).
 
@@ -28,8 +28,8 @@ def served_logprobs(llm, windows: list[list[int]]) -> list[list[float]]:
     return [[t.logprob for t in o.prompt_logprobs[1:]] for o in outs]
 
 
-def stored_logprobs(llm, windows: list[list[int]]) -> list[list[float]]:
-    """The same through ``score``: FP8/INT8 own rows read back as stored."""
+def decoded_logprobs(llm, windows: list[list[int]]) -> list[list[float]]:
+    """The same through ``score``: each FP8/INT8 token reads only its own row exact, as decoded."""
     from foundation.perplexity import target_logprobs
 
     return [target_logprobs(llm.score(ids)[:-1], torch.tensor(ids[1:])).tolist() for ids in windows]
@@ -62,22 +62,23 @@ def main() -> int:
     ids = tokenize_range(bf16.tokenizer, args.text, max_tokens=args.ctx * args.windows).tolist()
     windows = [ids[i:i + args.ctx] for i in range(0, len(ids) - args.ctx + 1, args.ctx)]
     ref = served_logprobs(bf16, windows)
-    rows = [{"kv": "bf16", "own_rows": "exact", **summary(ref, ref)}]
+    rows = [{"kv": "bf16", "new_rows": "exact", **summary(ref, ref)}]
     del bf16
     for kv in args.kv_dtypes:
         llm = engine(kv)
-        rows.append({"kv": kv, "own_rows": "exact (served)", **summary(served_logprobs(llm, windows), ref)})
-        if kv not in LOW_BIT_KV:  # int4/int2 read their own rows exact either way
-            rows.append({"kv": kv, "own_rows": "as stored", **summary(stored_logprobs(llm, windows), ref)})
+        rows.append({"kv": kv, "new_rows": "exact (served prefill)", **summary(served_logprobs(llm, windows), ref)})
+        if kv not in LOW_BIT_KV:  # int4/int2 read their new rows exact either way
+            rows.append({"kv": kv, "new_rows": "own row only (as decoded)",
+                         **summary(decoded_logprobs(llm, windows), ref)})
     base = rows[0]["ppl"]
     from engine_throughput import cpu_flags  # a sibling script
 
     print(f"{args.text}: {len(windows)} prompts of {args.ctx} tokens, activations {llm.dtype} "
           f"({platform.processor() or platform.machine()}; CPU flags: {cpu_flags()})")
-    print("| KV cache | a step reads its own rows | mean abs d logprob vs bf16 | prompt ppl | change |")
+    print("| KV cache | a step reads its new rows | mean abs d logprob vs bf16 | prompt ppl | change |")
     print("|---|---|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['kv']} | {r['own_rows']} | {r['mean_abs_dlogprob']:.4f} | {r['ppl']:.3f} | "
+        print(f"| {r['kv']} | {r['new_rows']} | {r['mean_abs_dlogprob']:.4f} | {r['ppl']:.3f} | "
               f"{100 * (r['ppl'] / base - 1):+.2f}% |")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
