@@ -170,10 +170,15 @@ def _plan(args: argparse.Namespace, source) -> int:
         write_planned_checkpoint,
     )
     from foundation.atomic import check_output_dir
+    from foundation.errors import KvslimError
 
     check_output_dir(Path(args.out), args.force)
+    ctx = args.ctx or DEFAULT_PLAN_CTX
+    if args.plan_windows and max(args.plan_windows) >= ctx:
+        raise KvslimError(f"--plan-windows {max(args.plan_windows)} is not below the plan's context {ctx} "
+                          "(a window that long is full attention)")
     bound = DEFAULT_MIN_RETRIEVAL if args.min_retrieval is None else args.min_retrieval
-    plan = plan_kv(source, args.kv_budget, args.max_ppl_increase, args.ctx or DEFAULT_PLAN_CTX, args.calib,
+    plan = plan_kv(source, args.kv_budget, args.max_ppl_increase, ctx, args.calib,
                    windows=tuple(dict.fromkeys(args.plan_windows)) if args.plan_windows else PLAN_WINDOWS,
                    dtypes=tuple(dict.fromkeys(args.kv_dtypes)) if args.kv_dtypes else PLAN_DTYPES,
                    progress=lambda line: print(f"  {line}", flush=True), min_retrieval=None if bound >= 1 else bound,

@@ -251,6 +251,10 @@ def test_the_cli_plans_among_the_given_windows(tiny_with_tokenizer, tmp_path, ca
                  "--plan-windows", "0", "-o", str(tmp_path / "q")]) == 2
     err = capsys.readouterr().err
     assert "--plan-windows must be positive token counts, got 0" in err and err.count("\n") == 1
+    assert main(["convert", str(tiny_with_tokenizer), "--kv-budget", "0.6", "--ctx", str(CTX),
+                 "--plan-windows", "8", str(CTX), "-o", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert f"--plan-windows {CTX} is not below the plan's context {CTX}" in err and err.count("\n") == 1
 
 
 def test_the_cli_plans_among_the_given_dtypes(tiny_with_tokenizer, tmp_path, capsys):
