@@ -78,10 +78,11 @@ def reference_attention(
     vf = v.float().repeat_interleave(rep, dim=1).transpose(0, 1)
     scores = (qf @ kf.transpose(1, 2)) * scale  # [H, Tq, Tk]
     if own is not None:
-        at_own = q_positions.view(-1, 1) == k_positions.view(1, -1)  # [Tq, Tk]
+        rows = torch.arange(q.shape[0], device=q.device)
+        cols = (k_positions.view(1, -1) == q_positions.view(-1, 1)).int().argmax(-1)  # each query's own key
         own_k, own_v = (t.float().repeat_interleave(rep, dim=1).transpose(0, 1) for t in own)  # [H, Tq, D]
-        scores = torch.where(at_own, ((qf * own_k).sum(-1) * scale).unsqueeze(-1), scores)
-        vf_own = own_v - at_own.float() @ vf  # [H, Tq, D]: what reading its own row exact adds
+        scores[:, rows, cols] = (qf * own_k).sum(-1) * scale
+        vf_own = own_v - vf[:, cols]  # [H, Tq, D]: what reading its own row exact adds
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     dist = q_positions.view(-1, 1) - k_positions.view(1, -1)
@@ -91,5 +92,5 @@ def reference_attention(
     probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
     out = probs @ vf  # [H, Tq, D]
     if own is not None:
-        out = out + (probs * at_own).sum(-1, keepdim=True) * vf_own
+        out = out + probs[:, rows, cols].unsqueeze(-1) * vf_own
     return out.transpose(0, 1).to(q.dtype)

@@ -10,9 +10,9 @@ reads its own new rows exact (KIVI: the prompt is attended in full precision) an
 written before as stored: FP8/INT8 rows quantized; with int4/int2 earlier blocks quantized, the
 sequence's open block exact. ``Engine.score`` has FP8/INT8 read a piece's rows as a decode step
 would (``PagedBatch.exact_new_rows`` False): each scored token its own row exact, every other row
-as stored. Keys
-arrive before rotary (``AttentionParams.key_rope``): rotated here before the write, or, in a layout that stores
-them before RoPE (int2), after it, and every key read rotated at its position in fp32.
+as stored. Keys arrive before rotary (``AttentionParams.key_rope``): rotated here before the write,
+or, in a layout that stores them before RoPE (int2), after it, and every key read rotated at its
+position in fp32.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from typing import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from runtime.attention.backend import AttentionParams
+from runtime.attention.backend import AttentionParams, reference_attention
 from runtime.attention.key_rope import KeyRope, StepKeyRotary
 from runtime.cache.kv_cache import RELEASED, KVCache, sink_block_count
 from runtime.cache.write_plan import WritePlan
@@ -157,36 +157,23 @@ OWN_ROW_BLOCK = 128  # ``_attend_own_row``'s query rows at a time
 
 
 def _attend_own_row(
-    q: torch.Tensor,  # [1, Tq, H, D]
-    k: torch.Tensor,  # [1, Tk, KVH, D]: the context as stored (dequantized to q's dtype)
+    q: torch.Tensor,  # [Tq, H, D]
+    k: torch.Tensor,  # [Tk, KVH, D]: the context as stored (dequantized)
     v: torch.Tensor,
-    k_own: torch.Tensor,  # [Tq, KVH, D]: each query token's own row, exact
-    v_own: torch.Tensor,
-    allowed: torch.Tensor,  # [1, Tq, Tk] bool
-    at: int,  # the first query token's own key among the Tk
+    own: tuple[torch.Tensor, torch.Tensor],  # k, v [Tq, KVH, D]: each query token's own row, exact
+    key_pos: torch.Tensor,  # [Tk]
+    first: int,  # the first query token's position
     params: AttentionParams,
 ) -> torch.Tensor:
-    """``_attend`` in fp32 with each query token reading its own key and value exact and every other
-    row as stored: what a decode step of that token reads. Query rows go ``OWN_ROW_BLOCK`` at a
-    time, so the fp32 scores stay ``[KVH, rep, OWN_ROW_BLOCK, Tk]`` at long contexts."""
-    s, tq, h, d = q.shape
-    kvh = k.shape[2]
-    kt = k.float().permute(0, 2, 3, 1).unsqueeze(2)  # [1, KVH, 1, D, Tk]
-    vf = v.float().permute(0, 2, 1, 3).unsqueeze(2)  # [1, KVH, 1, Tk, D]
-    out = torch.empty(s, tq, h, d, dtype=q.dtype, device=q.device)
-    for r0 in range(0, tq, OWN_ROW_BLOCK):
-        r1 = min(tq, r0 + OWN_ROW_BLOCK)
-        qh = q[:, r0:r1].float().view(s, r1 - r0, kvh, h // kvh, d).permute(0, 2, 3, 1, 4)  # [1, KVH, rep, n, D]
-        scores = torch.matmul(qh, kt) * params.scale  # [1, KVH, rep, n, Tk]
-        rows = torch.arange(r1 - r0, device=q.device)
-        cols = rows + at + r0
-        own_k, own_v = (t[r0:r1].float().permute(1, 0, 2)[None, :, None] for t in (k_own, v_own))  # [1, KVH, 1, n, D]
-        scores[..., rows, cols] = (qh * own_k).sum(-1) * params.scale
-        if params.softcap is not None:
-            scores = torch.tanh(scores / params.softcap) * params.softcap
-        probs = torch.softmax(scores.masked_fill_(~allowed[:, None, None, r0:r1], float("-inf")), dim=-1)
-        o = torch.matmul(probs, vf) + probs[..., rows, cols].unsqueeze(-1) * (own_v - vf[..., cols, :])
-        out[:, r0:r1] = o.permute(0, 3, 1, 2, 4).reshape(s, r1 - r0, h, d)
+    """What a decode step of each query token reads: its own key and value exact, every other row as
+    stored (``reference_attention``, fp32), ``OWN_ROW_BLOCK`` query rows at a time so that the
+    scores stay ``[H, OWN_ROW_BLOCK, Tk]`` at long contexts."""
+    out = torch.empty_like(q)
+    for r0 in range(0, q.shape[0], OWN_ROW_BLOCK):
+        r1 = min(q.shape[0], r0 + OWN_ROW_BLOCK)
+        q_pos = torch.arange(first + r0, first + r1, device=q.device)
+        out[r0:r1] = reference_attention(q[r0:r1], k, v, q_pos, key_pos, params.scale, params.window,
+                                         params.softcap, params.sinks, (own[0][r0:r1], own[1][r0:r1]))
     return out
 
 
@@ -373,8 +360,8 @@ class PagedAttentionBackend:
             if overlay_new_rows:
                 kk[0, fresh_at:fresh_at + n], vv[0, fresh_at:fresh_at + n] = k[rows], v[rows]
             elif own_row_only and k is not None:
-                out[rows] = _attend_own_row(q[rows].unsqueeze(0), kk, vv, k[rows], v[rows], allowed, fresh_at,
-                                            params).squeeze(0)
+                out[rows] = _attend_own_row(q[rows], kk[0], vv[0], (k[rows], v[rows]), key_pos[0],
+                                            batch.first_positions[i], params)
                 continue
             out[rows] = _attend(q[rows].unsqueeze(0), kk, vv, allowed, params).squeeze(0)
         return out
