@@ -135,8 +135,8 @@ class KernelAttentionBackend:
             self._new_rows_by_slot[slot] = (k_rotated, v)
         # a quantized cache: the step's new rows read exact, or each token only its own (a layer
         # reading another's KV too)
-        exact = lc.k_scale is not None
-        k, v = self._new_rows_by_slot.get(slot, (None, None)) if exact else (None, None)
+        quantized = lc.k_scale is not None
+        k, v = self._new_rows_by_slot.get(slot, (None, None)) if quantized else (None, None)
         return self._attention(q, lc.k_cache, lc.v_cache, *meta, lc.k_scale, lc.v_scale, sinks=params.sinks,
                                k=k, v=v, own_row_only=not batch.exact_new_rows, validate=False,
                                **self._launch_bounds)

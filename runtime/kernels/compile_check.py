@@ -96,19 +96,22 @@ def _fp8_variants() -> list[KernelVariant]:
 def _attention_variants() -> list[KernelVariant]:
     mod, k = "runtime.kernels.paged_attention", "paged_attention_kernel"
     out = []
-    cases = [  # (name, q, cache, quant, per_token, D, QPK, decode, splits, window, softcap, quick)
-        ("bf16 kv decode d64 gqa3", "bf16", "bf16", False, False, 64, 3, True, 1, False, False, True),
-        ("bf16 kv decode split d128 gqa4", "bf16", "bf16", False, False, 128, 4, True, 8, False, False, False),
-        ("fp8 kv/token decode split d64", "bf16", "fp8e4nv", True, True, 64, 3, True, 4, False, False, True),
-        ("int8 kv/token prefill window d64", "bf16", "i8", True, True, 64, 3, False, 1, True, False, True),
-        ("fp8 kv/scalar prefill softcap d256 mqa", "fp16", "fp8e4nv", True, False, 256, 8, False, 1, True, True, False),
-        ("fp16 kv prefill d128 mha", "fp16", "fp16", False, False, 128, 1, False, 1, False, False, False),
-        ("bf16 kv decode split d128 mqa32", "bf16", "bf16", False, False, 128, 32, True, 4, False, False, False),
-        ("int8 kv/token decode window d256 gqa4", "bf16", "i8", True, True, 256, 4, True, 1, True, False, False),
-        ("fp8 kv/token prefill own row d64", "bf16", "fp8e4nv", True, True, 64, 3, False, 1, False, False, True),
-        ("int8 kv/token decode split own row d64", "bf16", "i8", True, True, 64, 3, True, 4, True, False, True),
+    cases = [  # (name, q, cache, exact reads, per_token, D, QPK, decode, splits, window, softcap, quick)
+        # exact reads over a quantized cache: "new", the step's new rows (FRESH); "own", each token
+        # only its own row (OWN_ROW, Engine.score); None: an unquantized cache
+        ("bf16 kv decode d64 gqa3", "bf16", "bf16", None, False, 64, 3, True, 1, False, False, True),
+        ("bf16 kv decode split d128 gqa4", "bf16", "bf16", None, False, 128, 4, True, 8, False, False, False),
+        ("fp8 kv/token decode split d64", "bf16", "fp8e4nv", "new", True, 64, 3, True, 4, False, False, True),
+        ("int8 kv/token prefill window d64", "bf16", "i8", "new", True, 64, 3, False, 1, True, False, True),
+        ("fp8 kv/scalar prefill softcap d256 mqa", "fp16", "fp8e4nv", "new", False, 256, 8, False, 1, True, True, False),
+        ("fp16 kv prefill d128 mha", "fp16", "fp16", None, False, 128, 1, False, 1, False, False, False),
+        ("bf16 kv decode split d128 mqa32", "bf16", "bf16", None, False, 128, 32, True, 4, False, False, False),
+        ("int8 kv/token decode window d256 gqa4", "bf16", "i8", "new", True, 256, 4, True, 1, True, False, False),
+        ("fp8 kv/token prefill own row d64", "bf16", "fp8e4nv", "own", True, 64, 3, False, 1, False, False, True),
+        ("int8 kv/token decode split own row d64", "bf16", "i8", "own", True, 64, 3, True, 4, True, False, True),
     ]
-    for name, qd, cd, quant, per_token, d, qpk, decode, splits, window, softcap, quick in cases:
+    for name, qd, cd, reads, per_token, d, qpk, decode, splits, window, softcap, quick in cases:
+        quant = reads is not None
         block_m = max(16, 1 << (qpk - 1).bit_length()) if decode else max(64, 1 << (qpk - 1).bit_length())
         ptrs = {"q_ptr": f"*{qd}", "k_cache_ptr": f"*{cd}", "v_cache_ptr": f"*{cd}",
                 "k_new_ptr": f"*{qd}", "v_new_ptr": f"*{qd}",
@@ -118,8 +121,7 @@ def _attention_variants() -> list[KernelVariant]:
         consts = dict(QPK=qpk, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=block_m, BLOCK_Q=block_m // qpk,
                       BLOCK_N=32 if d <= 128 else 16, NUM_SPLITS=splits, KV_QUANT=quant,
                       SCALE_PER_TOKEN=per_token, USE_WINDOW=window, USE_SOFTCAP=softcap,
-                      # a quantized cache: the step's rows exact, or (Engine.score) each token its own
-                      FRESH=quant and "own row" not in name, OWN_ROW="own row" in name)
+                      FRESH=reads == "new", OWN_ROW=reads == "own")
         out.append(KernelVariant(name, k, mod, ptrs, consts, quick, num_warps=attention_num_warps(block_m, d)))
     return out
 
