@@ -22,7 +22,7 @@ from typing import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from runtime.attention.backend import AttentionParams, reference_attention
+from runtime.attention.backend import AttentionParams
 from runtime.attention.key_rope import KeyRope, StepKeyRotary
 from runtime.cache.kv_cache import RELEASED, KVCache, sink_block_count
 from runtime.cache.write_plan import WritePlan
@@ -153,28 +153,19 @@ def _attend(
     return out.permute(0, 3, 1, 2, 4).reshape(s, tq, h, d).to(dtype)
 
 
-OWN_ROW_BLOCK = 128  # ``_attend_own_row``'s query rows at a time
-
-
-def _attend_own_row(
-    q: torch.Tensor,  # [Tq, H, D]
-    k: torch.Tensor,  # [Tk, KVH, D]: the context as stored (dequantized)
-    v: torch.Tensor,
-    own: tuple[torch.Tensor, torch.Tensor],  # k, v [Tq, KVH, D]: each query token's own row, exact
-    key_pos: torch.Tensor,  # [Tk]
-    first: int,  # the first query token's position
-    params: AttentionParams,
-) -> torch.Tensor:
-    """What a decode step of each query token reads: its own key and value exact, every other row as
-    stored (``reference_attention``, fp32), ``OWN_ROW_BLOCK`` query rows at a time so that the
-    scores stay ``[H, OWN_ROW_BLOCK, Tk]`` at long contexts."""
-    out = torch.empty_like(q)
-    for r0 in range(0, q.shape[0], OWN_ROW_BLOCK):
-        r1 = min(q.shape[0], r0 + OWN_ROW_BLOCK)
-        q_pos = torch.arange(first + r0, first + r1, device=q.device)
-        out[r0:r1] = reference_attention(q[r0:r1], k, v, q_pos, key_pos, params.scale, params.window,
-                                         params.softcap, params.sinks, (own[0][r0:r1], own[1][r0:r1]))
-    return out
+def _with_own_rows(kk: torch.Tensor, vv: torch.Tensor, allowed: torch.Tensor, k_own: torch.Tensor,
+                   v_own: torch.Tensor, at: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K, V and mask for ``_attend`` so that each query token reads its own row exact and every other
+    row as stored (what a decode step of it reads): the exact rows ``[Tq, KVH, D]`` appended as Tq
+    more keys, query t allowed only the t-th of them, and its stored own row (key ``at + t``) masked."""
+    n = k_own.shape[0]
+    rows = torch.arange(n, device=allowed.device)
+    mask = allowed.clone()
+    mask[:, rows, at + rows] = False
+    eye = torch.eye(n, dtype=torch.bool, device=allowed.device).unsqueeze(0)
+    k2 = torch.cat([kk, k_own.unsqueeze(0).to(kk.dtype)], dim=1)
+    v2 = torch.cat([vv, v_own.unsqueeze(0).to(vv.dtype)], dim=1)
+    return k2, v2, torch.cat([mask, eye], dim=2)
 
 
 @dataclass(frozen=True)
@@ -360,9 +351,7 @@ class PagedAttentionBackend:
             if overlay_new_rows:
                 kk[0, fresh_at:fresh_at + n], vv[0, fresh_at:fresh_at + n] = k[rows], v[rows]
             elif own_row_only and k is not None:
-                out[rows] = _attend_own_row(q[rows], kk[0], vv[0], (k[rows], v[rows]), key_pos[0],
-                                            batch.first_positions[i], params)
-                continue
+                kk, vv, allowed = _with_own_rows(kk, vv, allowed, k[rows], v[rows], fresh_at)
             out[rows] = _attend(q[rows].unsqueeze(0), kk, vv, allowed, params).squeeze(0)
         return out
 

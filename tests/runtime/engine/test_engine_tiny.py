@@ -278,10 +278,9 @@ def sinks_checkpoint(tiny_llama, tmp_path_factory):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("layout,kv_dtype", [("sinks", "int8"), ("sinks", "fp8_e4m3"), ("shared", "int8")])
 def test_scoring_reads_what_decoding_reads_over_windows_and_shared_kv(sinks_checkpoint, kv_shared_checkpoint,
-                                                                      layout, kv_dtype, backend, monkeypatch):
+                                                                      layout, kv_dtype, backend):
     """Windows with sinks and layers reading another's KV: pieces that start mid-block score as a
-    token at a time does (the torch path's query rows a few at a time)."""
-    monkeypatch.setattr("runtime.attention.paged.OWN_ROW_BLOCK", 5)
+    token at a time does."""
     path = sinks_checkpoint if layout == "sinks" else kv_shared_checkpoint
     engine = Engine(load_model(path, "float32"), EngineConfig(
         block_size=4, max_num_batched_tokens=64, max_model_len=128, kv_cache_bytes=2 << 20,
