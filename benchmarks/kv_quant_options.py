@@ -5,7 +5,10 @@ over each 64-token block, values per token and head, asymmetric, fp16 scale and 
 them as a decoded token does: earlier blocks quantized, its own block exact. Options:
 ``pre_rope`` (keys quantized before RoPE, rotated after), ``k_rot`` / ``v_rot`` (a random-sign
 Hadamard rotation per head before quantizing, undone after), ``clip`` (per-group range shrink
-about its centre, minimizing squared error), ``v_group`` (value groups along head_dim), ``k_bits`` / ``v_bits``,
+about its centre, minimizing squared error; a number: the smallest shrink tried, default 0.5),
+``outliers`` (dense-and-sparse: that fraction of each group, furthest from its median, kept
+exact), ``levels: "normal"`` (2-bit codes at mean + std x a normal's Lloyd-Max levels),
+``k_clip`` / ``v_clip`` / ``k_outliers`` / ``v_outliers`` (for keys or values alone), ``v_group`` (value groups along head_dim), ``k_bits`` / ``v_bits``,
 ``sym`` (symmetric codes about zero: a scale and no minimum), ``exact_first`` (the first block, which
 holds the attention-sink tokens, kept exact), ``exact_sinks`` N (the first N tokens kept exact and out
 of their block's key ranges).
@@ -35,7 +38,42 @@ def hadamard(d: int, seed: int = 0) -> torch.Tensor:
     return h / math.sqrt(d) * signs
 
 
-def fake_quantize(x: torch.Tensor, dim: int, bits: int, clip: bool, sym: bool = False) -> torch.Tensor:
+GAUSS_2BIT = (-1.510, -0.4528, 0.4528, 1.510)  # Lloyd-Max levels of a unit normal at 2 bits
+
+
+def fake_quantize_normal(x: torch.Tensor, dim: int, search: bool) -> torch.Tensor:
+    """2-bit codes at a group's mean + std * the normal's Lloyd-Max levels (an fp16 mean and std
+    per group: the bytes of a scale and minimum); ``search``: the std scaled by the factor of
+    least squared error."""
+    mu, sd = x.mean(dim, keepdim=True).half().float(), x.std(dim, keepdim=True).clamp_min(1e-6).half().float()
+    lv = torch.tensor(GAUSS_2BIT)
+    best, best_err = None, None
+    for r in ((0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.35, 1.5) if search else (1.0,)):
+        z = (x - mu) / (sd * r)
+        y = mu + sd * r * lv[(z.unsqueeze(-1) - lv).abs().argmin(-1)]
+        err = ((y - x) ** 2).sum(dim, keepdim=True)
+        if best is None:
+            best, best_err = y, err
+        else:
+            better = err < best_err
+            best, best_err = torch.where(better, y, best), torch.where(better, err, best_err)
+    return best
+
+
+def with_outliers(x: torch.Tensor, dim: int, frac: float, quantize) -> torch.Tensor:
+    """Dense-and-sparse: the ``frac`` of each group's elements furthest from its median kept exact,
+    the rest quantized over their own range."""
+    n = x.shape[dim]
+    k = max(1, round(frac * n))
+    dev = (x - x.median(dim, keepdim=True).values).abs()
+    thresh = dev.topk(k, dim).values.narrow(dim, k - 1, 1)
+    out = dev >= thresh
+    med = x.median(dim, keepdim=True).values.expand_as(x)
+    inner = torch.where(out, med, x)  # outliers neither widen nor join the range
+    return torch.where(out, x, quantize(inner))
+
+
+def fake_quantize(x: torch.Tensor, dim: int, bits: int, clip: bool | float, sym: bool = False) -> torch.Tensor:
     """Round-to-nearest with one fp16 (scale, minimum) per slice along ``dim``; ``sym``: the
     range centred on zero, so the minimum is ``-levels / 2 * scale`` and needs no storage."""
     levels = (1 << bits) - 1
@@ -53,7 +91,9 @@ def fake_quantize(x: torch.Tensor, dim: int, bits: int, clip: bool, sym: bool = 
     if clip:
         best_err = ((best - x) ** 2).sum(dim, keepdim=True)
         mid, half = (lo + hi) / 2, (hi - lo) / 2
-        for r in LEVEL_SHRINK[1:]:
+        # clip a float: the smallest shrink tried, in steps of 0.05
+        shrinks = LEVEL_SHRINK if clip is True else [1 - 0.05 * i for i in range(round((1 - clip) / 0.05) + 1)]
+        for r in shrinks[1:]:
             y = rtn(mid - half * r, mid + half * r)
             err = ((y - x) ** 2).sum(dim, keepdim=True)
             better = err < best_err
@@ -67,6 +107,19 @@ class Options:
         self.bits = int(spec["bits"])
         self.rot = hadamard(head_dim)
 
+    def quantize(self, x: torch.Tensor, dim: int, bits: int, part: str) -> torch.Tensor:
+        """``part`` "k" or "v": ``k_clip`` / ``v_outliers`` etc. override ``clip`` / ``outliers``."""
+        spec = self.spec
+        clip = spec.get(f"{part}_clip", spec.get("clip", False))
+        if spec.get("levels") == "normal" and bits == 2:
+            def one(y: torch.Tensor) -> torch.Tensor:
+                return fake_quantize_normal(y, dim, clip)
+        else:
+            def one(y: torch.Tensor) -> torch.Tensor:
+                return fake_quantize(y, dim, bits, clip, spec.get("sym", False))
+        frac = spec.get(f"{part}_outliers", spec.get("outliers", 0))
+        return with_outliers(x, dim, frac, one) if frac else one(x)
+
     def keys(self, k: torch.Tensor) -> torch.Tensor:  # [B, KVH, T, D], T a multiple of BLOCK
         b, h, t, d = k.shape
         rot = self.spec.get("k_rot")
@@ -74,16 +127,14 @@ class Options:
         n = self.spec.get("exact_sinks", 0)
         if n:  # read exact elsewhere; here they only must not widen block 0's ranges
             x = torch.cat([x[:, :, n:n + 1].expand(-1, -1, n, -1), x[:, :, n:]], dim=2)
-        y = fake_quantize(x.reshape(b, h, t // BLOCK, BLOCK, d), 3, self.spec.get("k_bits", self.bits),
-                          self.spec.get("clip", False), self.spec.get("sym", False)).reshape(b, h, t, d)
+        y = self.quantize(x.reshape(b, h, t // BLOCK, BLOCK, d), 3, self.spec.get("k_bits", self.bits), "k").reshape(b, h, t, d)
         return y @ self.rot.T if rot else y
 
     def values(self, v: torch.Tensor) -> torch.Tensor:
         b, h, t, d = v.shape
         rot, g = self.spec.get("v_rot"), self.spec.get("v_group", d)
         x = v @ self.rot if rot else v
-        y = fake_quantize(x.reshape(b, h, t, d // g, g), -1, self.spec.get("v_bits", self.bits),
-                          self.spec.get("clip", False), self.spec.get("sym", False)).reshape(b, h, t, d)
+        y = self.quantize(x.reshape(b, h, t, d // g, g), -1, self.spec.get("v_bits", self.bits), "v").reshape(b, h, t, d)
         return y @ self.rot.T if rot else y
 
 

@@ -212,7 +212,7 @@ class EvalPlan:
         import transformers
 
         from foundation.kv_dtype_mix import SEPARATOR
-        from runtime.cache.low_bit_kv import EXACT_FIRST_BLOCK_BITS, LOW_BIT_KV
+        from runtime.cache.low_bit_kv import CLIPPED_KEY_BITS, EXACT_FIRST_BLOCK_BITS, LOW_BIT_KV
         from runtime.device import CPU, Placement
         from runtime.model.layers.activation_dtype import choose_activation_dtype
 
@@ -232,6 +232,8 @@ class EvalPlan:
             # how int4/int2 KV is stored and read (2: a step's own rows exact, score a block per step;
             # 3: a width that also keeps each sequence's first block exact, low_bit_kv.EXACT_FIRST_BLOCK_BITS)
             **({"kvslim_low_bit_read": 3 if EXACT_FIRST_BLOCK_BITS & set(low_bit) else 2} if low_bit else {}),
+            # key channel ranges clipped to least squared error (low_bit_kv.CLIPPED_KEY_BITS)
+            **({"kvslim_key_clip": 1} if CLIPPED_KEY_BITS & set(low_bit) else {}),
             # how FP8/INT8 KV is read (2: a step's own rows exact, earlier rows as stored; 3: and
             # a scored token its own row exact, as decoded); also under "auto", where a
             # checkpoint's kv_cache_scheme may choose FP8

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 from foundation.errors import KvslimError
 from runtime.cache.low_bit_kv import KEYS_BEFORE_ROPE_BITS
-from runtime.kernels.packed_kv_store import quantize_num_warps
+from runtime.kernels.packed_kv_store import clip_steps, quantize_num_warps
 from runtime.kernels.packed_paged_attention import key_tile
 from runtime.kernels.paged_attention import attention_num_warps
 
@@ -150,14 +150,15 @@ def _packed_variants() -> list[KernelVariant]:
     out = [KernelVariant("packed store bf16 residual", "residual_store_kernel", store_mod,
                          {"k_ptr": "*bf16", "v_ptr": "*bf16", "k_residual_ptr": "*bf16", "v_residual_ptr": "*bf16",
                           "slot_of_ptr": "*i64", "slot_ptr": "*i64"}, dict(BLOCK_H=8, BLOCK_D=128), True)]
-    for bits, residual, d, quick in ((4, "bf16", 128, True), (2, "fp16", 64, False)):
+    for bits, residual, d, quick in ((4, "bf16", 128, True), (2, "fp16", 64, True)):
         out.append(KernelVariant(
             f"quantize int{bits} blocks {residual} d{d}", "quantize_blocks_kernel", store_mod,
             {"k_ptr": f"*{residual}", "v_ptr": f"*{residual}", "k_residual_ptr": f"*{residual}",
              "v_residual_ptr": f"*{residual}", "full_slot_ptr": "*i64", "blocks_ptr": "*i64", "src_ptr": "*i64",
              "k_codes_ptr": "*u8", "v_codes_ptr": "*u8", "k_scale_ptr": "*fp16", "k_min_ptr": "*fp16",
              "v_scale_ptr": "*fp16", "v_min_ptr": "*fp16"},
-            dict(BITS=bits, BLOCK_S=64, BLOCK_P=d * bits // 8, MIN_SCALE_=1e-6), quick, num_warps=quantize_num_warps(64, d)))
+            dict(BITS=bits, BLOCK_S=64, BLOCK_P=d * bits // 8, MIN_SCALE_=1e-6, CLIP_STEPS=clip_steps(bits)), quick,
+            num_warps=quantize_num_warps(64, d)))
     cases = [  # (name, q, residual, bits, D, QPK, decode, splits, block size, window, softcap, fresh, quick)
         ("int4 kv decode d64 gqa3", "bf16", "bf16", 4, 64, 3, True, 1, 64, False, False, True, True),
         ("int4 kv decode split d128 gqa4", "bf16", "bf16", 4, 128, 4, True, 8, 64, False, False, True, False),

@@ -12,7 +12,10 @@ path. The data moves on the device:
   ``scale = fp16(max((hi - lo) / levels, 1e-6))``, ``minimum = fp16(lo)``, and codes
   ``round_half_even((x - minimum) / scale)`` clamped to ``[0, levels]`` from those fp16
   parameters (IEEE division, so the codes are the torch path's bit for bit), packed ``8 // bits``
-  to a byte along head_dim, low bits first;
+  to a byte along head_dim, low bits first; with ``CLIP_STEPS`` a key channel's range is the one
+  of least squared error among ``1 - i / 16`` of it about its centre, i <= CLIP_STEPS
+  (``low_bit_kv.KEY_RANGE_SHRINKS``; the same fp32 candidates and errors, though a GPU may fuse the
+  error's multiply-add and so break a near-tie between two ranges the other way);
 - ``residual_store_kernel``: the K/V rows ``[kvh, D]`` of each token left open into its block's
   residual slot ``slot_of[slot // block_size]`` at offset ``slot % block_size`` (in the residual
   dtype); the other tokens' slots are passed as -1.
@@ -24,7 +27,7 @@ import triton
 import triton.language as tl
 
 from foundation.errors import KvslimError
-from runtime.cache.low_bit_kv import MIN_SCALE, PARAM_DTYPE, packed_dim
+from runtime.cache.low_bit_kv import CLIPPED_KEY_BITS, KEY_RANGE_SHRINKS, MIN_SCALE, PARAM_DTYPE, packed_dim
 from runtime.cache.packed_layer import PackedLayerCache
 from runtime.cache.write_plan import WritePlan
 from runtime.kernels.kv_store import _round_half_even, _store_one
@@ -73,6 +76,14 @@ def _codes(x, scale, lo, LEVELS: tl.constexpr):
 
 
 @triton.jit
+def _squared_error(x, scale, lo, ok, LEVELS: tl.constexpr):
+    """Per channel: the squared error of ``x [S, P]``'s codes under ``scale``, ``lo [P]``."""
+    c = _codes(x, scale[None, :], lo[None, :], LEVELS).to(tl.float32)
+    e = c * scale.to(tl.float32)[None, :] + lo.to(tl.float32)[None, :] - x
+    return tl.sum(tl.where(ok, e * e, 0.0), axis=0)
+
+
+@triton.jit
 def _rows(x_ptr, residual_ptr, new_rows, old_rows, from_new, from_old, d):
     """fp32 tile of a filled block's rows at channels ``d``: its residual rows where ``from_old``,
     else the new rows (cast to the residual dtype, as stored) where ``from_new``, else 0."""
@@ -89,6 +100,7 @@ def quantize_blocks_kernel(
     stride_rb, stride_rs, stride_rh, stride_cb, stride_cs, stride_ch,
     stride_kpb, stride_kph, stride_vpb, stride_vps,
     BITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, MIN_SCALE_: tl.constexpr,
+    CLIP_STEPS: tl.constexpr,
 ):
     """Grid ``(num_blocks, kvh)``: program (i, h) quantizes head h of block ``blocks[i]`` (none where
     negative: a per-row plan's, ``WritePlan.per_row_plan``), whose row
@@ -126,7 +138,15 @@ def quantize_blocks_kernel(
         x = _rows(k_ptr, k_residual_ptr, k_rows, old_rows, from_new, from_old, d)
         lo = tl.min(tl.where(ok, x, float("inf")), axis=0)
         hi = tl.max(tl.where(ok, x, float("-inf")), axis=0)
+        mid, half = (lo + hi) * 0.5, (hi - lo) * 0.5
         scale, lo = _params(lo, hi, LEVELS, MIN_SCALE_)
+        if CLIP_STEPS > 0:
+            err = _squared_error(x, scale, lo, ok, LEVELS)
+            for i in tl.static_range(1, CLIP_STEPS + 1):
+                s_i, lo_i = _params(mid - half * (1.0 - i / 16), mid + half * (1.0 - i / 16), LEVELS, MIN_SCALE_)
+                e_i = _squared_error(x, s_i, lo_i, ok, LEVELS)
+                better = e_i < err
+                scale, lo, err = tl.where(better, s_i, scale), tl.where(better, lo_i, lo), tl.where(better, e_i, err)
         tl.store(k_scale_ptr + blk * stride_kpb + head * stride_kph + d, scale, mask=p_ok)
         tl.store(k_min_ptr + blk * stride_kpb + head * stride_kph + d, lo, mask=p_ok)
         packed = packed | (_codes(x, scale[None, :], lo[None, :], LEVELS) << (j * BITS))
@@ -184,6 +204,11 @@ def _check_store(k, v, cache: PackedLayerCache, slot_mapping) -> None:
 
 
 # --------------------------------------------------------------------------- wrapper
+def clip_steps(bits: int) -> int:
+    """``quantize_blocks_kernel``'s CLIP_STEPS at ``bits``: clipped key ranges tried beyond the full one."""
+    return len(KEY_RANGE_SHRINKS) - 1 if bits in CLIPPED_KEY_BITS else 0
+
+
 def quantize_num_warps(block_size: int, head_dim: int) -> int:
     """Warps for one (block, head) of ``quantize_blocks_kernel``: about 16 elements per thread per
     channel tile (fewer warps spill registers at block 64, head_dim 128)."""
@@ -219,7 +244,7 @@ def store_packed_kv(k: torch.Tensor, v: torch.Tensor, cache: PackedLayerCache, s
             v_scale_ptr=vs, v_min_ptr=cache.v_min, stride_vpb=vs.stride(0), stride_vps=vs.stride(1),
             # bits and tile shapes
             BITS=cache.bits, BLOCK_S=triton.next_power_of_2(bs), BLOCK_P=triton.next_power_of_2(codes.shape[-1]),
-            MIN_SCALE_=MIN_SCALE, num_warps=quantize_num_warps(bs, d),
+            MIN_SCALE_=MIN_SCALE, CLIP_STEPS=clip_steps(cache.bits), num_warps=quantize_num_warps(bs, d),
         )
 
     def store(stays: torch.Tensor) -> None:

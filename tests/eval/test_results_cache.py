@@ -61,6 +61,17 @@ def test_a_low_bit_kv_format_change_is_a_new_cache_key():
     assert read("int2") == read("int8/int2") == 3
 
 
+def test_clipped_key_ranges_are_a_new_cache_key():
+    """int2 keys store clipped channel ranges: results cached before the change are not reused."""
+    from eval.lm_eval_runner import EvalPlan
+
+    def clip(kv_cache_dtype: str):
+        return EvalPlan.make(["passkey"], None, None, 8, kv_cache_dtype=kv_cache_dtype).settings().get("kvslim_key_clip")
+
+    assert clip("bf16") is None and clip("int4") is None
+    assert clip("int2") == clip("int4/int2") == 1
+
+
 def test_retrieval_samples_reach_the_tasks_and_the_key():
     """``--retrieval-samples``: prompts per depth (4 by default: a key unchanged for the default)."""
     from eval.lm_eval_runner import EvalPlan

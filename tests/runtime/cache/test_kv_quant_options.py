@@ -19,7 +19,8 @@ def test_simulated_attention_matches_transformers_and_keeps_the_first_block_exac
         opts.install(current)
         torch.testing.assert_close(model(ids, use_cache=False).logits, want, rtol=0, atol=1e-4)
         for spec in ({"bits": 4}, {"bits": 2, "pre_rope": True, "v_rot": True, "clip": True},
-                     {"bits": 2, "sym": True, "exact_first": True}):
+                     {"bits": 2, "sym": True, "exact_first": True},
+                     {"bits": 2, "levels": "normal", "k_clip": 0.25, "v_outliers": 0.05}):
             current[0] = opts.Options(spec, model.config.head_dim)
             got = model(ids, use_cache=False).logits
             first = opts.BLOCK

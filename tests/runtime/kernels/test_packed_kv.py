@@ -68,6 +68,20 @@ def test_store_matches_the_torch_path(device, bits):
     assert_same_layer(ours, theirs)
 
 
+def test_store_clips_int2_key_ranges_as_the_torch_path(device):
+    """One token stretching every key channel of a block: most int2 channels store a clipped range
+    (a scale below the full range's), the kernel the same ones as the torch path."""
+    ours = packed_layer(2, block_size=16, num_blocks=2, residual_blocks=1, device=device)
+    theirs = packed_layer(2, block_size=16, num_blocks=2, residual_blocks=1)
+    k, v, s = rows(list(range(16)), 5, device=device)
+    k[3] *= 8.0
+    pks.store_packed_kv(k, v, ours, s)
+    pks.reference_store_packed_kv(k.cpu(), v.cpu(), theirs, s.cpu())
+    assert_same_layer(ours, theirs)
+    full_range_scale = (k.amax(0) - k.amin(0)).cpu() / 3
+    assert (theirs.k_scale[0].float() < 0.99 * full_range_scale).float().mean() > 0.5
+
+
 def per_row(layer, slots: list[int], rows: int, device) -> WritePlan:
     """The write of ``slots`` planned and applied to ``layer``'s table, one entry per row padded
     to ``rows`` (what a CUDA graph's decode step reads from its persistent buffers)."""
