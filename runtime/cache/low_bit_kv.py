@@ -34,8 +34,9 @@ KEYS_BEFORE_ROPE_BITS = frozenset({2})
 # served on the dev slice (wikipedia:calib [32768, 36864), context 2,048): int2 +21.9% -> +11.7%.
 EXACT_FIRST_BLOCK_BITS = frozenset({2})
 # Fractions of a key channel's range tried about its centre (multiples of 1/16: the kernel computes
-# the same fp32 candidates), and the widths that clip. Measured served on the dev slice: int2
-# +12.45% -> +4.2%; clipping values too, worse (+16.4%).
+# the same fp32 candidates), and the widths that clip. On the dev slice, simulated
+# (benchmarks/kv_quant_options.py): int2 +12.45% -> +4.18%, values clipped as well +10.05%;
+# served: +11.7% -> +3.85%.
 KEY_RANGE_SHRINKS = tuple(1 - i / 16 for i in range(9))
 CLIPPED_KEY_BITS = frozenset({2})
 
