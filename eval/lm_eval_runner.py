@@ -232,8 +232,9 @@ class EvalPlan:
             # how int4/int2 KV is stored and read (2: a step's own rows exact, score a block per step;
             # 3: a width that also keeps each sequence's first block exact, low_bit_kv.EXACT_FIRST_BLOCK_BITS)
             **({"kvslim_low_bit_read": 3 if EXACT_FIRST_BLOCK_BITS & set(low_bit) else 2} if low_bit else {}),
-            # key channel ranges clipped to least squared error (low_bit_kv.CLIPPED_KEY_BITS)
-            **({"kvslim_key_clip": 1} if CLIPPED_KEY_BITS & set(low_bit) else {}),
+            # key channel ranges clipped to least squared error (low_bit_kv.CLIPPED_KEY_BITS; 2: not
+            # in a sequence's first block)
+            **({"kvslim_key_clip": 2} if CLIPPED_KEY_BITS & set(low_bit) else {}),
             # how FP8/INT8 KV is read (2: a step's own rows exact, earlier rows as stored; 3: and
             # a scored token its own row exact, as decoded); also under "auto", where a
             # checkpoint's kv_cache_scheme may choose FP8

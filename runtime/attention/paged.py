@@ -70,10 +70,8 @@ class PagedBatch:
         ``exact_first_block``: the group keeps each sequence's first block in its residual slot.
         The backend's ``set_batch`` asks once per group (``KVCache.plan_packed_writes``)."""
         slots = self.slot_mapping_host[g] if self.slot_mapping_host else self.slot_mapping[g]
-        positions = None
-        if exact_first_block:
-            positions = self.positions_host if self.positions_host is not None else self.positions
-        return WritePlan.of(slots, self.block_size, self.slot_mapping[g].device, positions)
+        positions = self.positions_host if self.positions_host is not None else self.positions
+        return WritePlan.of(slots, self.block_size, self.slot_mapping[g].device, positions, exact_first_block)
 
     @classmethod
     def build(

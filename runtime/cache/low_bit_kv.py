@@ -9,7 +9,9 @@ fp16. Codes are packed along head_dim, ``8 // bits`` to a byte (low bits first).
 At 2 bits a key channel's range is also *clipped*: one large key in a channel's 64 tokens would
 stretch its four levels over the rest. Ranges ``KEY_RANGE_SHRINKS`` of ``[min, max]`` about its centre
 are tried, and the one whose codes reconstruct the channel with least squared error is stored
-(the full range is a candidate, so no block reconstructs worse than unclipped).
+(the full range is a candidate, so no block reconstructs worse than unclipped). A sequence's first
+block keeps its full ranges: its attention sinks' keys are the outliers clipping would cut, and
+it is read quantized in windowed groups and on prefix-cache hits.
 
 At 2 bits keys are stored *before* RoPE and rotated after dequantization on every read (KVQuant):
 RoPE turns each channel pair at a per-position angle, which smears an outlier channel over its
@@ -99,21 +101,28 @@ def _clipped_params(x: torch.Tensor, dim: int, levels: int) -> tuple[torch.Tenso
     return scale, low
 
 
-def _quantize(x: torch.Tensor, dim: int, bits: int, clip: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _quantize(x: torch.Tensor, dim: int, bits: int,
+              clip: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``clip``: where (broadcast over ``x``'s parameters) the range is clipped; None: nowhere."""
     levels = (1 << bits) - 1
-    if clip:
-        scale, lo = _clipped_params(x, dim, levels)
-    else:
-        scale, lo = _params(x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True), levels)
+    scale, lo = _params(x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True), levels)
+    if clip is not None and bool(clip.any()):
+        clipped_scale, clipped_lo = _clipped_params(x, dim, levels)
+        scale, lo = torch.where(clip, clipped_scale, scale), torch.where(clip, clipped_lo, lo)
     codes = _codes(x, scale, lo, levels).to(torch.uint8)
     return pack(codes, bits), scale.squeeze(dim), lo.squeeze(dim)
 
 
-def quantize_key_blocks(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_key_blocks(x: torch.Tensor, bits: int,
+                        first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Full key blocks ``[n, block_size, kvh, D]`` -> (codes ``[n, block_size, kvh, D*bits/8]``,
-    scale, minimum ``[n, kvh, D]``), per channel over each block's tokens (ranges clipped at
-    ``CLIPPED_KEY_BITS``)."""
-    return _quantize(x.float(), 1, bits, clip=bits in CLIPPED_KEY_BITS)
+    scale, minimum ``[n, kvh, D]``), per channel over each block's tokens; ranges clipped at
+    ``CLIPPED_KEY_BITS`` except in the blocks ``first [n]`` marks (a sequence's first block: its
+    attention sinks' keys are the outliers clipping would cut)."""
+    if bits not in CLIPPED_KEY_BITS:
+        return _quantize(x.float(), 1, bits)
+    clip = torch.ones(x.shape[0], dtype=torch.bool, device=x.device) if first is None else ~first.to(x.device)
+    return _quantize(x.float(), 1, bits, clip.view(-1, 1, 1, 1))
 
 
 def quantize_value_rows(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

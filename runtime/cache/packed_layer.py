@@ -100,7 +100,7 @@ class PackedLayerCache:
         def quantize(plan: WritePlan) -> None:
             full = plan.full
             self.k_codes[full], self.k_scale[full], self.k_min[full] = quantize_key_blocks(
-                self._filled_rows(plan, k, self.k_residual), self.bits)
+                self._filled_rows(plan, k, self.k_residual), self.bits, plan.first)
             self.v_codes[full], self.v_scale[full], self.v_min[full] = quantize_value_rows(
                 self._filled_rows(plan, v, self.v_residual), self.bits)
 

@@ -28,6 +28,9 @@ class WritePlan:
     full_slots: torch.Tensor | None = None  # [n] the residual slot each filled block held (-1: none), set by ResidualSlots.apply
     refills: bool = False  # some filled block held residual rows (so they are read)
     per_row: bool = False  # one entry per write row (``full[i]`` -1 where row i fills no block): fixed shapes
+    # [n] bool: filled blocks that are their sequence's first (its attention sinks), whose key
+    # ranges are not clipped; None: no positions were given, every block may clip
+    first: torch.Tensor | None = None
 
     def per_row_plan(self, rows: int) -> "WritePlan":
         """This plan, its slots applied and on the host, with one entry per write row padded to
@@ -43,7 +46,11 @@ class WritePlan:
         full[last], src[last], full_slots[last] = self.full, self.src, self.full_slots
         stays = torch.zeros(rows, dtype=torch.bool)
         stays[:self.stays.numel()] = self.stays
-        return replace(self, full=full, src=src, stays=stays, full_slots=full_slots, refills=True, per_row=True)
+        first = torch.zeros(rows, dtype=torch.bool)
+        if self.first is not None:
+            first[last] = self.first
+        return replace(self, full=full, src=src, stays=stays, full_slots=full_slots, refills=True, per_row=True,
+                       first=first)
 
     def compact(self) -> "WritePlan":
         """A per-row plan as the filled blocks alone (reads ``full`` on the host: the torch path's)."""
@@ -52,15 +59,16 @@ class WritePlan:
         keep = self.full >= 0
         full = self.full[keep]
         return replace(self, full=full, src=self.src[keep], full_slots=self.full_slots[keep],
-                       full_blocks=tuple(full.tolist()), per_row=False)
+                       full_blocks=tuple(full.tolist()), per_row=False,
+                       first=None if self.first is None else self.first[keep])
 
     @classmethod
     def of(cls, slots: torch.Tensor, block_size: int, device: torch.device | str | None = None,
-           positions: torch.Tensor | None = None) -> "WritePlan":
+           positions: torch.Tensor | None = None, keep_first_exact: bool = False) -> "WritePlan":
         """The plan of a write to ``slots [T]``, computed on the host (``slots`` there: no device
         read), its tensors on ``device`` (default: the slots'). ``positions [T]`` (host): the rows'
-        sequence positions, given to keep each sequence's first block exact (rows at positions
-        below ``block_size`` stay in their block's residual slot, filled or not)."""
+        sequence positions, which mark each sequence's first block (``first``); with
+        ``keep_first_exact`` its rows stay in their block's residual slot, filled or not."""
         device = torch.device(device or slots.device)
         bs, host = block_size, slots.cpu()
         blocks, offsets = host // bs, host % bs
@@ -68,7 +76,10 @@ class WritePlan:
         fills = torch.isin(blocks, full)
         src = torch.full((full.numel(), bs), -1, dtype=torch.long, device="cpu")
         src[torch.searchsorted(full, blocks[fills]), offsets[fills]] = fills.nonzero().squeeze(1)
-        kept = blocks[positions.cpu() < bs].unique() if positions is not None else blocks[:0]
+        firsts = blocks[positions.cpu() < bs].unique() if positions is not None else blocks[:0]
+        kept = firsts if keep_first_exact else blocks[:0]
         stays = ~fills | torch.isin(blocks, kept)
-        return cls(*to_device_at_once((full, src, stays), device), tuple(full.tolist()),
-                   tuple(blocks[stays].unique().tolist()), tuple(full[~torch.isin(full, kept)].tolist()))
+        first = torch.isin(full, firsts) if positions is not None else None
+        moved = to_device_at_once((full, src, stays) + ((first,) if first is not None else ()), device)
+        return cls(*moved[:3], tuple(full.tolist()), tuple(blocks[stays].unique().tolist()),
+                   tuple(full[~torch.isin(full, kept)].tolist()), first=moved[3] if first is not None else None)

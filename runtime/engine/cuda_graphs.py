@@ -80,27 +80,29 @@ class PackedWriteInputs:
         self.buffers = buffers
         self._full, self._src = buffers.add((n,), torch.long, -1), buffers.add((n, bs), torch.long, -1)
         self._stays, self._full_slots = buffers.add((n,), torch.bool, False), buffers.add((n,), torch.long, -1)
+        self._first = buffers.add((n,), torch.bool, False)
 
     def fill(self, slots: np.ndarray, positions: np.ndarray, bucket: int) -> None:
         """Plan the write of ``slots`` (the real rows; their ``positions``), apply it to the slot
         table, and write it per row on the host, padded to ``bucket``."""
         b = self.buffers
-        handles = (self._full, self._src, self._stays, self._full_slots)
-        full, src, stays, full_slots = (b.host(h)[:bucket] for h in handles)
+        handles = (self._full, self._src, self._stays, self._full_slots, self._first)
+        full, src, stays, full_slots, first = (b.host(h)[:bucket] for h in handles)
         if len(slots):
-            kept = torch.from_numpy(positions.copy()) if self.exact_first_block else None
-            plan = self.slots.apply(WritePlan.of(torch.from_numpy(slots.copy()), self.block_size, "cpu", kept))
+            plan = self.slots.apply(WritePlan.of(torch.from_numpy(slots.copy()), self.block_size, "cpu",
+                                                 torch.from_numpy(positions.copy()), self.exact_first_block))
             rows = plan.per_row_plan(bucket)
             full.copy_(rows.full), src.copy_(rows.src), stays.copy_(rows.stays), full_slots.copy_(rows.full_slots)
+            first.copy_(rows.first)
         else:
-            full.fill_(-1), src.fill_(-1), stays.fill_(False), full_slots.fill_(-1)
+            full.fill_(-1), src.fill_(-1), stays.fill_(False), full_slots.fill_(-1), first.fill_(False)
 
     def plan(self, bucket: int) -> WritePlan:
         """The first ``bucket`` rows' plan (views of the device buffers; ``set_batch`` applies nothing)."""
         dev = self.buffers.device
         return WritePlan(full=dev(self._full)[:bucket], src=dev(self._src)[:bucket], stays=dev(self._stays)[:bucket],
                          full_blocks=(), open_blocks=(), closed_blocks=(), full_slots=dev(self._full_slots)[:bucket],
-                         refills=True, per_row=True)
+                         refills=True, per_row=True, first=dev(self._first)[:bucket])
 
 
 class DecodeInputs:

@@ -15,7 +15,8 @@ path. The data moves on the device:
   to a byte along head_dim, low bits first; with ``CLIP_STEPS`` a key channel's range is the one
   of least squared error among ``1 - i / 16`` of it about its centre, i <= CLIP_STEPS
   (``low_bit_kv.KEY_RANGE_SHRINKS``; the same fp32 candidates and errors, though a GPU may fuse the
-  error's multiply-add and so break a near-tie between two ranges the other way);
+  error's multiply-add and so break a near-tie between two ranges the other way), except in the
+  blocks ``first`` marks (a sequence's first);
 - ``residual_store_kernel``: the K/V rows ``[kvh, D]`` of each token left open into its block's
   residual slot ``slot_of[slot // block_size]`` at offset ``slot % block_size`` (in the residual
   dtype); the other tokens' slots are passed as -1.
@@ -93,7 +94,7 @@ def _rows(x_ptr, residual_ptr, new_rows, old_rows, from_new, from_old, d):
 
 @triton.jit
 def quantize_blocks_kernel(
-    k_ptr, v_ptr, k_residual_ptr, v_residual_ptr, full_slot_ptr, blocks_ptr, src_ptr,
+    k_ptr, v_ptr, k_residual_ptr, v_residual_ptr, full_slot_ptr, blocks_ptr, src_ptr, first_ptr,
     k_codes_ptr, v_codes_ptr, k_scale_ptr, k_min_ptr, v_scale_ptr, v_min_ptr,
     block_size, bytes_per_row,
     stride_kt, stride_kh, stride_vt, stride_vh,
@@ -141,9 +142,11 @@ def quantize_blocks_kernel(
         mid, half = (lo + hi) * 0.5, (hi - lo) * 0.5
         scale, lo = _params(lo, hi, LEVELS, MIN_SCALE_)
         if CLIP_STEPS > 0:
-            err = _squared_error(x, scale, lo, ok, LEVELS)
-            for i in tl.static_range(1, CLIP_STEPS + 1):
-                s_i, lo_i = _params(mid - half * (1.0 - i / 16), mid + half * (1.0 - i / 16), LEVELS, MIN_SCALE_)
+            # a sequence's first block keeps its full ranges: no candidate beats an error of -1
+            err = tl.where(tl.load(first_ptr + i) == 0, _squared_error(x, scale, lo, ok, LEVELS), -1.0)
+            for step in tl.static_range(1, CLIP_STEPS + 1):
+                r = 1.0 - step / 16
+                s_i, lo_i = _params(mid - half * r, mid + half * r, LEVELS, MIN_SCALE_)
                 e_i = _squared_error(x, s_i, lo_i, ok, LEVELS)
                 better = e_i < err
                 scale, lo, err = tl.where(better, s_i, scale), tl.where(better, lo_i, lo), tl.where(better, e_i, err)
@@ -229,12 +232,13 @@ def store_packed_kv(k: torch.Tensor, v: torch.Tensor, cache: PackedLayerCache, s
 
     def quantize(plan: WritePlan) -> None:
         ks, vs = cache.k_scale, cache.v_scale
+        first = (plan.first if plan.first is not None else torch.zeros_like(plan.full, dtype=torch.bool)).to(torch.int8)
         quantize_blocks_kernel[(plan.full.numel(), kvh)](
             # the write's new rows
             k_ptr=k, v_ptr=v, stride_kt=k.stride(0), stride_kh=k.stride(1), stride_vt=v.stride(0),
             stride_vh=v.stride(1),
             # the blocks it fills, where each of their rows comes from, and the rows held open so far
-            blocks_ptr=plan.full, src_ptr=plan.src.contiguous(), block_size=bs,
+            blocks_ptr=plan.full, src_ptr=plan.src.contiguous(), first_ptr=first, block_size=bs,
             k_residual_ptr=res, v_residual_ptr=cache.v_residual, full_slot_ptr=plan.full_slots,
             stride_rb=res.stride(0), stride_rs=res.stride(1), stride_rh=res.stride(2),
             # the packed codes and their parameters

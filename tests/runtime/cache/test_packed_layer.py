@@ -21,19 +21,23 @@ def _layer(exact_first_block: bool, bits: int = 2, residual_blocks: int = 4) -> 
 
 
 def _write(lc: PackedLayerCache, k, v, slots, positions):
-    plan = WritePlan.of(slots, BS, positions=positions if lc.exact_first_block else None)
+    plan = WritePlan.of(slots, BS, positions=positions, keep_first_exact=lc.exact_first_block)
     lc.write(k, v, slots, lc.slots.apply(plan))
 
 
 def test_plan_keeps_the_first_block_in_its_slot():
     slots, positions = torch.arange(10), torch.arange(10)  # blocks 0, 1 fill; block 2 stays open
-    plain = WritePlan.of(slots, BS)
+    plain = WritePlan.of(slots, BS, positions=positions)
     assert plain.full_blocks == (0, 1) and plain.closed_blocks == (0, 1) and plain.open_blocks == (2,)
-    kept = WritePlan.of(slots, BS, positions=positions)
+    assert plain.first.tolist() == [True, False]  # block 0 is the sequence's first: not clipped
+    kept = WritePlan.of(slots, BS, positions=positions, keep_first_exact=True)
     assert kept.full_blocks == (0, 1) and kept.closed_blocks == (1,) and kept.open_blocks == (0, 2)
     assert kept.stays.tolist() == [True] * 4 + [False] * 4 + [True] * 2
-    later = WritePlan.of(torch.tensor([23]), BS, positions=torch.tensor([7]))  # block 5 is a later block
-    assert later.closed_blocks == (5,) and later.open_blocks == ()
+    later = WritePlan.of(torch.tensor([23]), BS, positions=torch.tensor([7]), keep_first_exact=True)  # a later block
+    assert later.closed_blocks == (5,) and later.open_blocks == () and later.first.tolist() == [False]
+    assert WritePlan.of(slots, BS).first is None  # no positions: every block may clip
+    rows = _layer(False).slots.apply(plain).per_row_plan(12)  # a CUDA graph's: at the row filling each block
+    assert rows.first.nonzero().flatten().tolist() == [3] and rows.compact().first.tolist() == [True, False]
 
 
 def test_first_block_reads_exact_while_held_and_its_codes_after():

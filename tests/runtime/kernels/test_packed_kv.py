@@ -82,6 +82,24 @@ def test_store_clips_int2_key_ranges_as_the_torch_path(device):
     assert (theirs.k_scale[0].float() < 0.99 * full_range_scale).float().mean() > 0.5
 
 
+def test_a_sequences_first_block_keeps_its_full_key_ranges(device):
+    """Positions mark a sequence's first block (its attention sinks): its int2 key ranges are not
+    clipped, a later block's are; the kernel as the torch path."""
+    ours = packed_layer(2, block_size=16, num_blocks=4, residual_blocks=2, device=device)
+    theirs = packed_layer(2, block_size=16, num_blocks=4, residual_blocks=2)
+    k, v, s = rows(list(range(32)), 7)
+    k[3] *= 8.0
+    k[19] *= 8.0
+    for layer, store, dev in ((ours, pks.store_packed_kv, device), (theirs, pks.reference_store_packed_kv, "cpu")):
+        plan = layer.slots.apply(WritePlan.of(s, 16, dev, positions=torch.arange(32)))
+        store(k.to(dev), v.to(dev), layer, s.to(dev), plan=plan)
+    assert_same_layer(ours, theirs)
+    blocks = k.view(2, 16, 2, 16)
+    full_range_scale = (blocks.amax(1) - blocks.amin(1)) / 3
+    torch.testing.assert_close(theirs.k_scale[0].float(), full_range_scale[0], rtol=1e-3, atol=0)
+    assert (theirs.k_scale[1].float() < 0.99 * full_range_scale[1]).float().mean() > 0.5
+
+
 def per_row(layer, slots: list[int], rows: int, device) -> WritePlan:
     """The write of ``slots`` planned and applied to ``layer``'s table, one entry per row padded
     to ``rows`` (what a CUDA graph's decode step reads from its persistent buffers)."""
