@@ -155,7 +155,7 @@ def _packed_variants() -> list[KernelVariant]:
             f"quantize int{bits} blocks {residual} d{d}", "quantize_blocks_kernel", store_mod,
             {"k_ptr": f"*{residual}", "v_ptr": f"*{residual}", "k_residual_ptr": f"*{residual}",
              "v_residual_ptr": f"*{residual}", "full_slot_ptr": "*i64", "blocks_ptr": "*i64", "src_ptr": "*i64",
-             "first_ptr": "*i8",
+             "first_ptr": "*i1",
              "k_codes_ptr": "*u8", "v_codes_ptr": "*u8", "k_scale_ptr": "*fp16", "k_min_ptr": "*fp16",
              "v_scale_ptr": "*fp16", "v_min_ptr": "*fp16"},
             dict(BITS=bits, BLOCK_S=64, BLOCK_P=d * bits // 8, MIN_SCALE_=1e-6, CLIP_STEPS=clip_steps(bits)), quick,

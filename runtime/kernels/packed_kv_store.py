@@ -232,7 +232,7 @@ def store_packed_kv(k: torch.Tensor, v: torch.Tensor, cache: PackedLayerCache, s
 
     def quantize(plan: WritePlan) -> None:
         ks, vs = cache.k_scale, cache.v_scale
-        first = (plan.first if plan.first is not None else torch.zeros_like(plan.full, dtype=torch.bool)).to(torch.int8)
+        first = plan.first if plan.first is not None else torch.zeros_like(plan.full, dtype=torch.bool)
         quantize_blocks_kernel[(plan.full.numel(), kvh)](
             # the write's new rows
             k_ptr=k, v_ptr=v, stride_kt=k.stride(0), stride_kh=k.stride(1), stride_vt=v.stride(0),
