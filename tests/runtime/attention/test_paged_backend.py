@@ -177,3 +177,14 @@ def test_int2_keys_are_quantized_before_rope_and_rotated_on_read():
     old = reference_attention(q[8:], torch.cat([after_rope, kk[8:]]), torch.cat([values, v[8:]]), positions[8:],
                               positions, 0.35)
     assert not torch.allclose(out, old, atol=1e-3)  # not the layout that quantizes rotated keys
+
+
+@pytest.mark.parametrize("exact_first_block", [False, True])
+def test_a_steps_write_plan_marks_each_sequences_first_block(exact_first_block):
+    """The first block of a sequence keeps its full key ranges (``WritePlan.first``), whether or
+    not its group also keeps it exact: a prefill filling blocks 3 and 5 (positions 0-7), and a
+    sequence at positions 8-11 filling its second block, 6."""
+    batch = PagedBatch.build(4, [0, 8], [8, 4], [[[3, 5]], [[1, 2, 6]]])
+    plan = batch.write_plan(0, exact_first_block)
+    assert plan.full_blocks == (3, 5, 6) and plan.first.tolist() == [True, False, False]
+    assert (3 in plan.open_blocks) == exact_first_block
