@@ -65,10 +65,9 @@ def with_outliers(x: torch.Tensor, dim: int, frac: float, quantize) -> torch.Ten
     the rest quantized over their own range."""
     n = x.shape[dim]
     k = max(1, round(frac * n))
-    dev = (x - x.median(dim, keepdim=True).values).abs()
-    thresh = dev.topk(k, dim).values.narrow(dim, k - 1, 1)
-    out = dev >= thresh
-    med = x.median(dim, keepdim=True).values.expand_as(x)
+    med = x.median(dim, keepdim=True).values
+    dev = (x - med).abs()
+    out = dev >= dev.topk(k, dim).values.narrow(dim, k - 1, 1)
     inner = torch.where(out, med, x)  # outliers neither widen nor join the range
     return torch.where(out, x, quantize(inner))
 

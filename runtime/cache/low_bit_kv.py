@@ -86,10 +86,10 @@ def _squared_error(x: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, dim: 
     return (_codes(x, scale, lo, levels) * scale.float() + lo.float() - x).square().sum(dim, keepdim=True)
 
 
-def _clipped_params(x: torch.Tensor, dim: int, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The parameters of least squared error over the ranges ``KEY_RANGE_SHRINKS`` (the first
-    one found on a tie: the full range before any clipped one)."""
-    lo, hi = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
+def _clipped_params(x: torch.Tensor, dim: int, levels: int, lo: torch.Tensor,
+                    hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The parameters of least squared error over the ranges ``KEY_RANGE_SHRINKS`` of ``[lo, hi]``
+    (the first one found on a tie: the full range before any clipped one)."""
     scale, low = _params(lo, hi, levels)
     err = _squared_error(x, scale, low, dim, levels)
     mid, half = (lo + hi) * 0.5, (hi - lo) * 0.5
@@ -105,10 +105,13 @@ def _quantize(x: torch.Tensor, dim: int, bits: int,
               clip: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``clip``: where (broadcast over ``x``'s parameters) the range is clipped; None: nowhere."""
     levels = (1 << bits) - 1
-    scale, lo = _params(x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True), levels)
+    lo, hi = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
     if clip is not None and bool(clip.any()):
-        clipped_scale, clipped_lo = _clipped_params(x, dim, levels)
-        scale, lo = torch.where(clip, clipped_scale, scale), torch.where(clip, clipped_lo, lo)
+        clipped_scale, clipped_lo = _clipped_params(x, dim, levels, lo, hi)
+        full_scale, full_lo = _params(lo, hi, levels)
+        scale, lo = torch.where(clip, clipped_scale, full_scale), torch.where(clip, clipped_lo, full_lo)
+    else:
+        scale, lo = _params(lo, hi, levels)
     codes = _codes(x, scale, lo, levels).to(torch.uint8)
     return pack(codes, bits), scale.squeeze(dim), lo.squeeze(dim)
 

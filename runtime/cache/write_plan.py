@@ -25,12 +25,12 @@ class WritePlan:
     full_blocks: tuple[int, ...]  # ``full`` as ints (read once, not per layer)
     open_blocks: tuple[int, ...]  # the blocks of the rows that stay
     closed_blocks: tuple[int, ...]  # the filled blocks that give their residual slots back
+    # [n] bool: filled blocks that are their sequence's first (its attention sinks), whose key
+    # ranges are not clipped (none where no positions were given)
+    first: torch.Tensor
     full_slots: torch.Tensor | None = None  # [n] the residual slot each filled block held (-1: none), set by ResidualSlots.apply
     refills: bool = False  # some filled block held residual rows (so they are read)
     per_row: bool = False  # one entry per write row (``full[i]`` -1 where row i fills no block): fixed shapes
-    # [n] bool: filled blocks that are their sequence's first (its attention sinks), whose key
-    # ranges are not clipped; None: no positions were given, every block may clip
-    first: torch.Tensor | None = None
 
     def per_row_plan(self, rows: int) -> "WritePlan":
         """This plan, its slots applied and on the host, with one entry per write row padded to
@@ -47,8 +47,7 @@ class WritePlan:
         stays = torch.zeros(rows, dtype=torch.bool)
         stays[:self.stays.numel()] = self.stays
         first = torch.zeros(rows, dtype=torch.bool)
-        if self.first is not None:
-            first[last] = self.first
+        first[last] = self.first
         return replace(self, full=full, src=src, stays=stays, full_slots=full_slots, refills=True, per_row=True,
                        first=first)
 
@@ -60,7 +59,7 @@ class WritePlan:
         full = self.full[keep]
         return replace(self, full=full, src=self.src[keep], full_slots=self.full_slots[keep],
                        full_blocks=tuple(full.tolist()), per_row=False,
-                       first=None if self.first is None else self.first[keep])
+                       first=self.first[keep])
 
     @classmethod
     def of(cls, slots: torch.Tensor, block_size: int, device: torch.device | str | None = None,
@@ -79,7 +78,6 @@ class WritePlan:
         firsts = blocks[positions.cpu() < bs].unique() if positions is not None else blocks[:0]
         kept = firsts if keep_first_exact else blocks[:0]
         stays = ~fills | torch.isin(blocks, kept)
-        first = torch.isin(full, firsts) if positions is not None else None
-        moved = to_device_at_once((full, src, stays) + ((first,) if first is not None else ()), device)
-        return cls(*moved[:3], tuple(full.tolist()), tuple(blocks[stays].unique().tolist()),
-                   tuple(full[~torch.isin(full, kept)].tolist()), first=moved[3] if first is not None else None)
+        full_t, src_t, stays_t, first = to_device_at_once((full, src, stays, torch.isin(full, firsts)), device)
+        return cls(full_t, src_t, stays_t, tuple(full.tolist()), tuple(blocks[stays].unique().tolist()),
+                   tuple(full[~torch.isin(full, kept)].tolist()), first)

@@ -101,8 +101,8 @@ class PackedWriteInputs:
         """The first ``bucket`` rows' plan (views of the device buffers; ``set_batch`` applies nothing)."""
         dev = self.buffers.device
         return WritePlan(full=dev(self._full)[:bucket], src=dev(self._src)[:bucket], stays=dev(self._stays)[:bucket],
-                         full_blocks=(), open_blocks=(), closed_blocks=(), full_slots=dev(self._full_slots)[:bucket],
-                         refills=True, per_row=True, first=dev(self._first)[:bucket])
+                         full_blocks=(), open_blocks=(), closed_blocks=(), first=dev(self._first)[:bucket],
+                         full_slots=dev(self._full_slots)[:bucket], refills=True, per_row=True)
 
 
 class DecodeInputs:

@@ -232,13 +232,12 @@ def store_packed_kv(k: torch.Tensor, v: torch.Tensor, cache: PackedLayerCache, s
 
     def quantize(plan: WritePlan) -> None:
         ks, vs = cache.k_scale, cache.v_scale
-        first = plan.first if plan.first is not None else torch.zeros_like(plan.full, dtype=torch.bool)
         quantize_blocks_kernel[(plan.full.numel(), kvh)](
             # the write's new rows
             k_ptr=k, v_ptr=v, stride_kt=k.stride(0), stride_kh=k.stride(1), stride_vt=v.stride(0),
             stride_vh=v.stride(1),
             # the blocks it fills, where each of their rows comes from, and the rows held open so far
-            blocks_ptr=plan.full, src_ptr=plan.src.contiguous(), first_ptr=first, block_size=bs,
+            blocks_ptr=plan.full, src_ptr=plan.src.contiguous(), first_ptr=plan.first, block_size=bs,
             k_residual_ptr=res, v_residual_ptr=cache.v_residual, full_slot_ptr=plan.full_slots,
             stride_rb=res.stride(0), stride_rs=res.stride(1), stride_rh=res.stride(2),
             # the packed codes and their parameters

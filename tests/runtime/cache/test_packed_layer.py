@@ -35,7 +35,7 @@ def test_plan_keeps_the_first_block_in_its_slot():
     assert kept.stays.tolist() == [True] * 4 + [False] * 4 + [True] * 2
     later = WritePlan.of(torch.tensor([23]), BS, positions=torch.tensor([7]), keep_first_exact=True)  # a later block
     assert later.closed_blocks == (5,) and later.open_blocks == () and later.first.tolist() == [False]
-    assert WritePlan.of(slots, BS).first is None  # no positions: every block may clip
+    assert WritePlan.of(slots, BS).first.tolist() == [False, False]  # no positions: every block may clip
     rows = _layer(False).slots.apply(plain).per_row_plan(12)  # a CUDA graph's: at the row filling each block
     assert rows.first.nonzero().flatten().tolist() == [3] and rows.compact().first.tolist() == [True, False]
 
