@@ -212,7 +212,7 @@ class EvalPlan:
         import transformers
 
         from foundation.kv_dtype_mix import SEPARATOR
-        from runtime.cache.low_bit_kv import CLIPPED_KEY_BITS, EXACT_FIRST_BLOCK_BITS, LOW_BIT_KV
+        from runtime.cache.low_bit_kv import CLIPPED_KEY_BITS, EXACT_FIRST_BLOCK_BITS, LOW_BIT_KV, VALUES_ROTATED_BITS
         from runtime.device import CPU, Placement
         from runtime.model.layers.activation_dtype import choose_activation_dtype
 
@@ -235,6 +235,8 @@ class EvalPlan:
             # key channel ranges clipped to least squared error (low_bit_kv.CLIPPED_KEY_BITS; 2: not
             # in a sequence's first block)
             **({"kvslim_key_clip": 2} if CLIPPED_KEY_BITS & set(low_bit) else {}),
+            # values kept in a rotated basis (low_bit_kv.VALUES_ROTATED_BITS)
+            **({"kvslim_value_basis": "hadamard"} if VALUES_ROTATED_BITS & set(low_bit) else {}),
             # how FP8/INT8 KV is read (2: a step's own rows exact, earlier rows as stored; 3: and
             # a scored token its own row exact, as decoded); also under "auto", where a
             # checkpoint's kv_cache_scheme may choose FP8

@@ -12,7 +12,8 @@ sequence's open block exact. ``Engine.score`` has FP8/INT8 read a piece's rows a
 would (``PagedBatch.exact_new_rows`` False): each scored token its own row exact, every other row
 as stored. Keys arrive before rotary (``AttentionParams.key_rope``): rotated here before the write,
 or, in a layout that stores them before RoPE (int2), after it, and every key read rotated at its
-position in fp32.
+position in fp32. An int2 layer keeps values in a rotated basis (``value_rotation``): they rotate
+on their way in and the layer's output rotates back.
 """
 from __future__ import annotations
 
@@ -293,6 +294,14 @@ class PagedAttentionBackend:
         self._rotary.share(tables)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
+        rotation = self.cache.value_rotation(layer_idx)
+        if rotation is None:
+            return self._attend_layer(layer_idx, q, k, v)
+        return rotation.restore(self._attend_layer(layer_idx, q, k, None if v is None else rotation.rotate(v)))
+
+    def _attend_layer(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None,
+                      v: torch.Tensor | None) -> torch.Tensor:
+        """``attend`` with values in the basis of the layer's cache."""
         batch = self.batch
         assert batch is not None, "set_batch() before attend()"
         slot = self.cache.spec.layer_slots[layer_idx]

@@ -10,6 +10,7 @@ torch path (``Engine.score``: each token only its own row, as a decode step read
 read another layer's KV get the owner's cache tensors, and over a quantized cache the owner's new
 rows of this step. Keys arrive before rotary and are rotated here (torch) before the store, except
 in a layout that stores them before RoPE (int2), whose attention kernel rotates each key it reads.
+Values of an int2 layer are rotated into its cache's basis before the store and the output back.
 """
 from __future__ import annotations
 
@@ -121,14 +122,18 @@ class KernelAttentionBackend:
         meta = (batch.block_tables[g], batch.context_lens, batch.query_start_loc, params.scale, params.window, params.softcap)
         if isinstance(lc, PackedLayerCache):
             read_rope = rope if lc.keys_before_rope else None  # the kernel rotates each key it reads
+            rotation = lc.value_rotation  # values in the cache's basis, the output back out of it
+            if v is not None and rotation is not None:
+                v = rotation.rotate(v)
             if k is not None:
                 self._store_packed(k if read_rope else k_rotated, v, lc, batch.slot_mapping[g],
                                    plan=self._write_plans[g], validate=False)
                 self._new_rows_by_slot[slot] = (k_rotated, v)
             # a layer reading another layer's KV reads its new rows exact too
             k, v = self._new_rows_by_slot.get(slot, (None, None))
-            return self._attention_packed(q, k, v, lc, *meta, sinks=params.sinks, key_rope=read_rope,
-                                          validate=False, **self._launch_bounds)
+            out = self._attention_packed(q, k, v, lc, *meta, sinks=params.sinks, key_rope=read_rope,
+                                         validate=False, **self._launch_bounds)
+            return out if rotation is None else rotation.restore(out)
         if k is not None:
             self._store(k_rotated, v, lc.k_cache, lc.v_cache, batch.slot_mapping[g], lc.k_scale, lc.v_scale,
                         validate=False)

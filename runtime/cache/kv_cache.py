@@ -38,6 +38,7 @@ from runtime.cache.low_bit_kv import (
 from runtime.cache.packed_layer import PackedLayerCache
 from runtime.cache.paged_rows import gather_blocks, store_rows
 from runtime.cache.residual_slots import ResidualSlots
+from runtime.cache.value_rotation import ValueRotation
 from runtime.cache.write_plan import WritePlan
 
 KV_DTYPES: dict[str, torch.dtype] = {
@@ -383,6 +384,11 @@ class KVCache:
         """Whether ``layer``'s cache stores keys before RoPE (rotated on read; int2)."""
         lc = self.layers[layer]
         return isinstance(lc, PackedLayerCache) and lc.keys_before_rope
+
+    def value_rotation(self, layer: int) -> ValueRotation | None:
+        """The basis ``layer``'s cache keeps values in (int2), or None: values as they are."""
+        lc = self.layers[layer]
+        return lc.value_rotation if isinstance(lc, PackedLayerCache) else None
 
     def stores_exactly(self, layer: int, dtype: torch.dtype) -> bool:
         """Whether ``layer``'s cache keeps K/V of ``dtype`` unchanged (no quantization, same dtype)."""

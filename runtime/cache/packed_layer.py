@@ -28,12 +28,14 @@ import torch
 from foundation.errors import KvslimError
 from runtime.cache.low_bit_kv import (
     KEYS_BEFORE_ROPE_BITS,
+    VALUES_ROTATED_BITS,
     dequantize_keys,
     dequantize_values,
     quantize_key_blocks,
     quantize_value_rows,
 )
 from runtime.cache.residual_slots import ResidualSlots
+from runtime.cache.value_rotation import ValueRotation
 from runtime.cache.write_plan import WritePlan
 
 
@@ -49,6 +51,9 @@ class PackedLayerCache:
         self.k_residual, self.v_residual = tensors["k_residual"], tensors["v_residual"]
         self.bits = bits
         self.keys_before_rope = bits in KEYS_BEFORE_ROPE_BITS  # the caller stores and reads keys unrotated
+        # the caller rotates values in and attention outputs back (None: values as they are)
+        self.value_rotation = (ValueRotation(self.k_residual.shape[-1], self.k_residual.device)
+                               if bits in VALUES_ROTATED_BITS else None)
         self.exact_first_block = exact_first_block  # the caller's write plans keep first blocks in their slots
         self.block_size = self.k_codes.shape[1]
         self.residual_dtype = residual_dtype

@@ -72,6 +72,17 @@ def test_clipped_key_ranges_are_a_new_cache_key():
     assert clip("int2") == clip("int4/int2") == 2
 
 
+def test_rotated_values_are_a_new_cache_key():
+    """int2 values are stored in a rotated basis: results cached before the change are not reused."""
+    from eval.lm_eval_runner import EvalPlan
+
+    def basis(kv_cache_dtype: str):
+        return EvalPlan.make(["passkey"], None, None, 8, kv_cache_dtype=kv_cache_dtype).settings().get("kvslim_value_basis")
+
+    assert basis("bf16") is None and basis("int4") is None
+    assert basis("int2") == basis("int4/int2") == "hadamard"
+
+
 def test_retrieval_samples_reach_the_tasks_and_the_key():
     """``--retrieval-samples``: prompts per depth (4 by default: a key unchanged for the default)."""
     from eval.lm_eval_runner import EvalPlan

@@ -165,12 +165,13 @@ def test_int2_keys_are_quantized_before_rope_and_rotated_on_read():
     out = backend.attend(0, q[8:], k[8:], v[8:])
 
     keys = dequantize_keys(*quantize_key_blocks(k[:8].view(2, bs, KVH, D), 2), 2, torch.float32).reshape(8, KVH, D)
-    values = dequantize_values(*quantize_value_rows(v[:8], 2), 2, torch.float32)
-    keys[:bs], values[:bs] = k[:bs], v[:bs]  # the first block, exact
+    rotation = cache.value_rotation(0)  # int2 values are stored, and attended, rotated
+    values = dequantize_values(*quantize_value_rows(rotation.rotate(v[:8]), 2), 2, torch.float32)
+    keys[:bs], values[:bs] = k[:bs], rotation.rotate(v[:bs])  # the first block, exact
     positions = torch.arange(9)
     kk = rope.rotate(torch.cat([keys, k[8:]]), positions)
-    ref = reference_attention(q[8:], kk, torch.cat([values, v[8:]]), positions[8:], positions, 0.35)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    ref = reference_attention(q[8:], kk, torch.cat([values, rotation.rotate(v[8:])]), positions[8:], positions, 0.35)
+    torch.testing.assert_close(out, rotation.restore(ref), rtol=1e-5, atol=1e-5)
     after_rope = dequantize_keys(*quantize_key_blocks(rope.rotate(k[:8], positions[:8]).view(2, bs, KVH, D), 2), 2,
                                  torch.float32).reshape(8, KVH, D)
     after_rope[:bs] = kk[:bs]

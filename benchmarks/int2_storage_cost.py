@@ -1,0 +1,85 @@
+"""What int2 KV's clipped key ranges and rotated values cost on the CPU, the same engine side by side
+(a fresh engine per variant and round, rounds interleaved, best of each):
+- decode: 8 requests of 64 ``wikipedia:eval`` tokens, 32 new tokens (a rotation in and out per layer
+  and step);
+- prefill: 2 prompts of 2,047 ``wikipedia:eval`` tokens, one new token each (every block quantized
+  on write: where clipping's candidate ranges are searched).
+
+    python benchmarks/int2_storage_cost.py --json benchmarks/results/int2_storage_cost.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+
+    from foundation.perplexity import tokenize_range
+    from runtime.cache import low_bit_kv, packed_layer
+    from runtime.engine.engine import Engine
+    from runtime.engine.sampling import SamplingParams
+    from runtime.llm import LLM
+    from runtime.model.layers.activation_dtype import CpuFeatures
+
+    clipped, rotated = low_bit_kv.CLIPPED_KEY_BITS, packed_layer.VALUES_ROTATED_BITS
+    variants = {  # (keys clipped at, values rotated at): the patches that give each
+        "as served (keys clipped, values rotated)": (clipped, rotated),
+        "keys not clipped": (frozenset(), rotated),
+        "values not rotated": (clipped, frozenset()),
+        "neither": (frozenset(), frozenset()),
+    }
+    llm = LLM(args.model, max_model_len=2050)
+    ids = tokenize_range(llm.tokenizer, "wikipedia:eval", max_tokens=2 * 2048).tolist()
+    jobs = {  # job -> (prompts, new tokens each)
+        "decode, tok/s": ([ids[i * 64:(i + 1) * 64] for i in range(8)], 32),
+        "prefill, tokens/s": ([ids[:2047], ids[2048:4095]], 1),
+    }
+
+    def run(prompts: list[list[int]], new: int) -> float:
+        """Tokens per second: prompt tokens for a prefill, generated ones after the first for decode."""
+        engine = Engine.sized_for(llm.model, 2050, len(prompts), max_num_batched_tokens=1024, kv_dtype="int2")
+        sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+        for p in prompts:
+            engine.add_request(p, sp)
+        t, first = time.perf_counter(), None
+        while engine.has_unfinished:
+            engine.step()
+            first = first or time.perf_counter()  # the step that prefilled (the prompts fit one step's chunk or not)
+        if new == 1:
+            return sum(map(len, prompts)) / (time.perf_counter() - t)
+        return len(prompts) * (new - 1) / (time.perf_counter() - first)
+
+    best = {(j, v): 0.0 for j in jobs for v in variants}
+    try:
+        for round_ in range(args.rounds + 1):  # round 0 warms
+            for name, (clip_bits, rotate_bits) in variants.items():
+                low_bit_kv.CLIPPED_KEY_BITS, packed_layer.VALUES_ROTATED_BITS = clip_bits, rotate_bits
+                for job, (prompts, new) in jobs.items():
+                    tps = run(prompts, new)
+                    if round_:
+                        best[job, name] = max(best[job, name], tps)
+    finally:
+        low_bit_kv.CLIPPED_KEY_BITS, packed_layer.VALUES_ROTATED_BITS = clipped, rotated
+    cpu_flags = CpuFeatures.detect().describe()
+    rows = [{"job": job, "int2": name, "tokens_per_s": tps} for (job, name), tps in best.items()]
+    print(f"CPU flags: {cpu_flags}; activations {llm.dtype}")
+    print("| job | int2 KV | tokens/s (best of rounds) |\n|---|---|---:|")
+    for r in rows:
+        print(f"| {r['job']} | {r['int2']} | {r['tokens_per_s']:.1f} |")
+    if args.json:
+        from foundation.atomic import write_text_atomic
+
+        write_text_atomic(args.json, json.dumps({"cpu_flags": cpu_flags, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
