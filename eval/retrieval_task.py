@@ -5,7 +5,8 @@ or that a coarsely quantized cache blurs, costs little on average next-token los
 when the question is about it. Three kinds, each offline and seeded (the same prompts every run):
 
 - ``passkey``: a 5-digit key in repeated filler sentences (Landmark Attention's test).
-- ``needle``: one sentence holding a number inside real held-out prose (``wikipedia:eval``).
+- ``needle``: one sentence holding a number inside real held-out prose (``wikipedia:eval``);
+  ``needle_pydoc`` the same inside Python's documentation (``pydoc:eval``: code, signatures, tables).
 - ``multikey``: three keys with different labels in the filler, one of them asked.
 
 Each is laid out at every context length (prompt tokens) and depth (where the fact sits, 0% = the
@@ -54,6 +55,10 @@ WORDINGS: dict[str, Wording] = {
         "", "", "The magic number of the day is {key}. ",
         "\nQuestion: what is the magic number of the day? Answer: the magic number of the day is",
         prose="wikipedia:eval"),
+    "needle_pydoc": Wording(
+        "", "", "The magic number of the day is {key}. ",
+        "\nQuestion: what is the magic number of the day? Answer: the magic number of the day is",
+        prose="pydoc:eval"),
     "multikey": Wording(
         "Several keys are hidden inside a lot of irrelevant text. Remember each of them.\n", EVAL_FILLER,
         "The pass key for the {label} door is {key}. ",

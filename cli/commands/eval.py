@@ -24,7 +24,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tasks", nargs="+", metavar="TASK",
         help="tasks (space or comma separated); default: all 8 lm-eval tasks + ppl_wikipedia + ppl_pydoc + "
-             "passkey + needle (retrieval; also multikey, and *_calib variants for tuning)",
+             "passkey + needle (retrieval; also needle_pydoc, multikey, and *_calib variants for tuning)",
     )
     p.add_argument("--retrieval-contexts", type=int, nargs="+", metavar="N",
                    help="prompt lengths in tokens of the retrieval tasks (default 1024 2048)")

@@ -18,7 +18,7 @@ def tokenizer(default_model_dir):
     return AutoTokenizer.from_pretrained(default_model_dir)
 
 
-@pytest.mark.parametrize("name", ["passkey", "needle", "multikey", "passkey_calib", "needle_calib"])
+@pytest.mark.parametrize("name", ["passkey", "needle", "needle_pydoc", "multikey", "passkey_calib", "needle_calib"])
 def test_prompts_are_seeded_and_as_long_as_asked(tokenizer, name):
     task = RetrievalTask(name, contexts=(256, 512), depths=(0, 50, 100), samples=2)
     prompts = task.prompts(tokenizer)
@@ -45,6 +45,7 @@ def test_calibration_wording_shares_nothing_with_evaluation():
         assert ev.fact != cal.fact and ev.question != cal.question and ev.prose != cal.prose or ev.prose is None
         assert not set(ev.labels) & set(cal.labels)
     assert WORDINGS["needle"].prose == "wikipedia:eval" and WORDINGS["needle_calib"].prose == "wikipedia:calib"
+    assert WORDINGS["needle_pydoc"].prose == "pydoc:eval"
 
 
 def test_answers_are_scored_by_the_first_number():
