@@ -52,7 +52,7 @@ def main() -> int:
         t, first = time.perf_counter(), None
         while engine.has_unfinished:
             engine.step()
-            first = first or time.perf_counter()  # the step that prefilled (the prompts fit one step's chunk or not)
+            first = first or time.perf_counter()  # decode: timed after the step that prefilled (one chunk)
         if new == 1:
             return sum(map(len, prompts)) / (time.perf_counter() - t)
         return len(prompts) * (new - 1) / (time.perf_counter() - first)
