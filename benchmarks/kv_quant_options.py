@@ -20,24 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 import torch
 
 BLOCK = 64
 LEVEL_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5)
-
-
-def hadamard(d: int, seed: int = 0) -> torch.Tensor:
-    """An orthonormal ``[d, d]`` Hadamard matrix with random column signs (``d`` a power of 2)."""
-    h = torch.ones(1, 1)
-    while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    signs = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(seed)).float() * 2 - 1
-    return h / math.sqrt(d) * signs
-
-
 GAUSS_2BIT = (-1.510, -0.4528, 0.4528, 1.510)  # Lloyd-Max levels of a unit normal at 2 bits
 
 
@@ -104,7 +92,9 @@ class Options:
     def __init__(self, spec: dict, head_dim: int):
         self.spec = spec
         self.bits = int(spec["bits"])
-        self.rot = hadamard(head_dim)
+        from runtime.cache.value_rotation import randomized_hadamard  # the served int2 values' basis
+
+        self.rot = randomized_hadamard(head_dim)
 
     def quantize(self, x: torch.Tensor, dim: int, bits: int, part: str) -> torch.Tensor:
         """``part`` "k" or "v": ``k_clip`` / ``v_outliers`` etc. override ``clip`` / ``outliers``."""
