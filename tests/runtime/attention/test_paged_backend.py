@@ -148,7 +148,8 @@ def test_a_short_context_reads_its_blocks_not_a_whole_window():
 def test_int2_keys_are_quantized_before_rope_and_rotated_on_read():
     """Two closed blocks hold int2 codes of the keys before RoPE: a decoded token reads the second
     dequantized, then rotated at their positions, the first exact (int2 keeps the sequence's first
-    block exact); its own key exact and rotated."""
+    block exact); its own key exact and rotated. Values are stored and attended in the cache's
+    rotated basis, and the output rotated back."""
     layout = AttentionLayout.from_config({**CONFIG, "num_hidden_layers": 1, "layer_types": ["full_attention"],
                                           "kv_source_layers": [0]})
     bs, KVH, D = 4, 2, 8
