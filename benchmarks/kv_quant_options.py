@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from runtime.cache.value_rotation import randomized_hadamard  # the served int2 values' basis
+
 BLOCK = 64
 LEVEL_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5)
 GAUSS_2BIT = (-1.510, -0.4528, 0.4528, 1.510)  # Lloyd-Max levels of a unit normal at 2 bits
@@ -92,8 +94,6 @@ class Options:
     def __init__(self, spec: dict, head_dim: int):
         self.spec = spec
         self.bits = int(spec["bits"])
-        from runtime.cache.value_rotation import randomized_hadamard  # the served int2 values' basis
-
         self.rot = randomized_hadamard(head_dim)
 
     def quantize(self, x: torch.Tensor, dim: int, bits: int, part: str) -> torch.Tensor:

@@ -24,6 +24,8 @@ import random
 import re
 from dataclasses import dataclass
 
+from foundation.errors import KvslimError
+
 DEFAULT_CONTEXTS = (1024, 2048)
 DEFAULT_DEPTHS = (0, 25, 50, 75, 100)
 DEFAULT_SAMPLES = 4
@@ -109,6 +111,9 @@ class RetrievalTask:
     def prompts(self, tokenizer) -> list[RetrievalPrompt]:
         """Every prompt, in (context, depth, sample) order; the same for the same tokenizer."""
         prose = _prose_ids(tokenizer, self.wording.prose, max(self.contexts) * 3) if self.wording.prose else None
+        if prose is not None and len(prose) < max(self.contexts):
+            raise KvslimError(f"{self.name} at {max(self.contexts)} tokens needs that much text of "
+                              f"{self.wording.prose}, which has {len(prose)} tokens")
         return [self._prompt(tokenizer, ctx, depth, i, prose)
                 for ctx in self.contexts for depth in self.depths for i in range(self.samples)]
 

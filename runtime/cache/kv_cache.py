@@ -32,6 +32,7 @@ from runtime.cache.low_bit_kv import (
     EXACT_FIRST_BLOCK_BITS,
     LOW_BIT_KV,
     PARAM_DTYPE,
+    VALUES_ROTATED_BITS,
     bytes_per_token_head,
     packed_dim,
 )
@@ -303,9 +304,12 @@ class KVCache:
             ResidualSlots(n, residual_blocks, self.device) if grp.bits else None
             for grp, n in zip(spec.groups, self.num_blocks)
         ]
+        # per group whose values are rotated: one basis for its layers
+        rotations = [ValueRotation(grp.head_dim, self.device) if grp.bits in VALUES_ROTATED_BITS else None
+                     for grp in spec.groups]
         self.packed: list[list[PackedLayerCache]] = [
             [PackedLayerCache({k: t[s] for k, t in self.tensors[g].items()}, grp.bits, residual_dtype,
-                              grp.exact_first_block, self.residual_slots[g])
+                              grp.exact_first_block, self.residual_slots[g], rotations[g])
              for s in range(len(grp.layers))] if grp.bits else []
             for g, grp in enumerate(spec.groups)
         ]

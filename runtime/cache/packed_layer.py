@@ -28,7 +28,6 @@ import torch
 from foundation.errors import KvslimError
 from runtime.cache.low_bit_kv import (
     KEYS_BEFORE_ROPE_BITS,
-    VALUES_ROTATED_BITS,
     dequantize_keys,
     dequantize_values,
     quantize_key_blocks,
@@ -43,17 +42,17 @@ class PackedLayerCache:
     """Views of one layer slot's packed tensors and residual rows, over its group's slot table."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], bits: int, residual_dtype: torch.dtype,
-                 exact_first_block: bool, slots: ResidualSlots):
-        """``slots``: the cache group's slot table, shared by its layers."""
+                 exact_first_block: bool, slots: ResidualSlots, value_rotation: ValueRotation | None = None):
+        """``slots``: the cache group's slot table, shared by its layers; ``value_rotation``: the
+        group's value basis (None: values as they are), which the caller rotates values into and
+        attention outputs out of."""
         self.k_codes, self.v_codes = tensors["k_codes"], tensors["v_codes"]
         self.k_scale, self.k_min = tensors["k_scale"], tensors["k_min"]
         self.v_scale, self.v_min = tensors["v_scale"], tensors["v_min"]
         self.k_residual, self.v_residual = tensors["k_residual"], tensors["v_residual"]
         self.bits = bits
         self.keys_before_rope = bits in KEYS_BEFORE_ROPE_BITS  # the caller stores and reads keys unrotated
-        # the caller rotates values in and attention outputs back (None: values as they are)
-        self.value_rotation = (ValueRotation(self.k_residual.shape[-1], self.k_residual.device)
-                               if bits in VALUES_ROTATED_BITS else None)
+        self.value_rotation = value_rotation
         self.exact_first_block = exact_first_block  # the caller's write plans keep first blocks in their slots
         self.block_size = self.k_codes.shape[1]
         self.residual_dtype = residual_dtype

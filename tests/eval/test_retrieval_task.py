@@ -31,6 +31,15 @@ def test_prompts_are_seeded_and_as_long_as_asked(tokenizer, name):
         assert len(p.answer) == 5 and p.text.endswith(" is")  # the answer is the continuation
 
 
+def test_a_context_longer_than_the_text_is_refused(tokenizer, monkeypatch):
+    from eval import retrieval_task
+    from foundation.errors import KvslimError
+
+    monkeypatch.setattr(retrieval_task, "_prose_ids", lambda tok, text_range, tokens: list(range(300)))
+    with pytest.raises(KvslimError, match="needle_pydoc at 512 tokens needs that much text of pydoc:eval, which has 300"):
+        RetrievalTask("needle_pydoc", contexts=(256, 512)).prompts(tokenizer)
+
+
 def test_depth_places_the_fact():
     sentences = [f"S{i}." for i in range(10)]
     text = _place(sentences, {0: "FACT0.", 50: "FACT50.", 100: "FACT100."})
