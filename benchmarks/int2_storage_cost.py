@@ -23,13 +23,13 @@ def main() -> int:
     args = ap.parse_args()
 
     from foundation.perplexity import tokenize_range
-    from runtime.cache import low_bit_kv, packed_layer
+    from runtime.cache import kv_cache, low_bit_kv
     from runtime.engine.engine import Engine
     from runtime.engine.sampling import SamplingParams
     from runtime.llm import LLM
     from runtime.model.layers.activation_dtype import CpuFeatures
 
-    clipped, rotated = low_bit_kv.CLIPPED_KEY_BITS, packed_layer.VALUES_ROTATED_BITS
+    clipped, rotated = low_bit_kv.CLIPPED_KEY_BITS, kv_cache.VALUES_ROTATED_BITS
     variants = {  # (keys clipped at, values rotated at): the patches that give each
         "as served (keys clipped, values rotated)": (clipped, rotated),
         "keys not clipped": (frozenset(), rotated),
@@ -44,30 +44,32 @@ def main() -> int:
     }
 
     def run(prompts: list[list[int]], new: int) -> float:
-        """Tokens per second: prompt tokens for a prefill, generated ones after the first for decode."""
-        engine = Engine.sized_for(llm.model, 2050, len(prompts), max_num_batched_tokens=1024, kv_dtype="int2")
-        sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-        for p in prompts:
-            engine.add_request(p, sp)
-        t, first = time.perf_counter(), None
-        while engine.has_unfinished:
-            engine.step()
-            first = first or time.perf_counter()  # decode: timed after the step that prefilled (one chunk)
+        """Tokens per second on a fresh engine: prompt tokens for a prefill; for decode, as
+        ``compress report`` times it (prompt + ``new`` tokens minus prompt + 1, per token after the first)."""
+        engine = Engine.sized_for(llm.model, 2050, len(prompts), max_num_batched_tokens=1024, kv_dtype="int2",
+                                  enable_prefix_caching=False)
+
+        def timed(n: int) -> float:
+            t = time.perf_counter()
+            engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+            return time.perf_counter() - t
+
+        prefill = timed(1)
         if new == 1:
-            return sum(map(len, prompts)) / (time.perf_counter() - t)
-        return len(prompts) * (new - 1) / (time.perf_counter() - first)
+            return sum(map(len, prompts)) / prefill
+        return len(prompts) * (new - 1) / (timed(new) - prefill)
 
     best = {(j, v): 0.0 for j in jobs for v in variants}
     try:
         for round_ in range(args.rounds + 1):  # round 0 warms
             for name, (clip_bits, rotate_bits) in variants.items():
-                low_bit_kv.CLIPPED_KEY_BITS, packed_layer.VALUES_ROTATED_BITS = clip_bits, rotate_bits
+                low_bit_kv.CLIPPED_KEY_BITS, kv_cache.VALUES_ROTATED_BITS = clip_bits, rotate_bits
                 for job, (prompts, new) in jobs.items():
                     tps = run(prompts, new)
                     if round_:
                         best[job, name] = max(best[job, name], tps)
     finally:
-        low_bit_kv.CLIPPED_KEY_BITS, packed_layer.VALUES_ROTATED_BITS = clipped, rotated
+        low_bit_kv.CLIPPED_KEY_BITS, kv_cache.VALUES_ROTATED_BITS = clipped, rotated
     cpu_flags = CpuFeatures.detect().describe()
     rows = [{"job": job, "int2": name, "tokens_per_s": tps} for (job, name), tps in best.items()]
     print(f"CPU flags: {cpu_flags}; activations {llm.dtype}")

@@ -34,7 +34,7 @@ def randomized_hadamard(d: int, seed: int = SEED) -> torch.Tensor:
 
 
 class ValueRotation:
-    """One cache layer's value basis: ``rotate`` values in, ``restore`` attention outputs."""
+    """A cache group's value basis, shared by its layers: ``rotate`` values in, ``restore`` attention outputs."""
 
     def __init__(self, head_dim: int, device: torch.device | str) -> None:
         self.matrix = randomized_hadamard(head_dim).to(device)
