@@ -15,8 +15,9 @@ answered by greedy generation through the backend (the kvslim engine serves it w
 really compressed); it is right when the first number in the answer is the key. Accuracy is
 reported overall and per context and depth.
 
-The ``*_calib`` variants use other filler, other wording and ``wikipedia:calib`` prose: what a
-planner may tune on, disjoint from the evaluation tasks.
+The ``*_calib`` variants use other filler, other wording and ``wikipedia:calib`` prose (``pysrc:calib``,
+the standard library's source, for ``needle_code_calib``): what a planner may tune on, disjoint from
+the evaluation tasks.
 """
 from __future__ import annotations
 
@@ -74,6 +75,10 @@ WORDINGS: dict[str, Wording] = {
         "", "", "Today's lucky code is {key}. ",
         "\nQuestion: which lucky code was mentioned for today? Answer: today's lucky code is",
         prose="wikipedia:calib"),
+    "needle_code_calib": Wording(  # not "code": inside source code the model answers with code
+        "", "", "The secret number for this week is {key}. ",
+        "\nQuestion: what is the secret number for this week? Answer: the secret number for this week is",
+        prose="pysrc:calib"),
     "multikey_calib": Wording(
         "The notes below hold several codes. Remember each one.\n", CALIB_FILLER,
         "The code of the {label} gate is {key}. ",

@@ -10,7 +10,12 @@ name                   what                                     used for
 ``wikipedia:heal``     articles [24, 64)                        healing (distillation)
 ``wikipedia:eval``     articles [64, end)                       perplexity, held out
 ``pydoc:eval``         stdlib ``pydoc_data.topics``             second held-out corpus
+``pysrc:calib``        the source of 24 stdlib modules          code-like calibration
 =====================  =======================================  ==========================
+
+``pysrc`` is read from the running interpreter's standard library (``PYSRC_MODULES``, pure-Python
+modules every CPython 3.10-3.14 ships): code and docstrings, a calibration twin of ``pydoc:eval``
+(the language reference, not the library's source) that shares none of its text.
 """
 from __future__ import annotations
 
@@ -61,6 +66,7 @@ RANGES: dict[str, TextRange] = {
         TextRange("wikipedia", "heal", 24, 64),
         TextRange("wikipedia", "eval", 64, None),
         TextRange("pydoc", "eval", 0, None),
+        TextRange("pysrc", "calib", 0, None),
     )
 }
 DEFAULT_CALIB = "wikipedia:calib"
@@ -102,7 +108,22 @@ def _pydoc_docs() -> list[str]:
     return [topics[k] for k in sorted(topics)]
 
 
-CORPORA = {"wikipedia": _wikipedia_docs, "pydoc": _pydoc_docs}
+PYSRC_MODULES = ("argparse", "ast", "calendar", "collections", "configparser", "csv", "dataclasses", "difflib",
+                 "enum", "fractions", "functools", "gettext", "heapq", "inspect", "ipaddress", "logging",
+                 "optparse", "pprint", "shlex", "statistics", "string", "tarfile", "textwrap", "typing")
+
+
+def _pysrc_docs() -> list[str]:
+    docs = []
+    for name in PYSRC_MODULES:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not (spec.origin or "").endswith(".py"):
+            raise KvslimError(f"the pysrc text needs the source of the stdlib module {name}, which this Python lacks")
+        docs.append(Path(spec.origin).read_text(encoding="utf-8"))
+    return docs
+
+
+CORPORA = {"wikipedia": _wikipedia_docs, "pydoc": _pydoc_docs, "pysrc": _pysrc_docs}
 
 
 def text_range(name: str) -> TextRange:

@@ -18,7 +18,8 @@ def tokenizer(default_model_dir):
     return AutoTokenizer.from_pretrained(default_model_dir)
 
 
-@pytest.mark.parametrize("name", ["passkey", "needle", "needle_pydoc", "multikey", "passkey_calib", "needle_calib"])
+@pytest.mark.parametrize("name", ["passkey", "needle", "needle_pydoc", "multikey", "passkey_calib", "needle_calib",
+                                  "needle_code_calib"])
 def test_prompts_are_seeded_and_as_long_as_asked(tokenizer, name):
     task = RetrievalTask(name, contexts=(256, 512), depths=(0, 50, 100), samples=2)
     prompts = task.prompts(tokenizer)
@@ -54,7 +55,8 @@ def test_calibration_wording_shares_nothing_with_evaluation():
         assert ev.fact != cal.fact and ev.question != cal.question and ev.prose != cal.prose or ev.prose is None
         assert not set(ev.labels) & set(cal.labels)
     assert WORDINGS["needle"].prose == "wikipedia:eval" and WORDINGS["needle_calib"].prose == "wikipedia:calib"
-    assert WORDINGS["needle_pydoc"].prose == "pydoc:eval"
+    assert WORDINGS["needle_pydoc"].prose == "pydoc:eval" and WORDINGS["needle_code_calib"].prose == "pysrc:calib"
+    assert WORDINGS["needle_code_calib"].question != WORDINGS["needle_pydoc"].question
 
 
 def test_answers_are_scored_by_the_first_number():

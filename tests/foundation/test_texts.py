@@ -26,3 +26,9 @@ def test_real_corpora_load():
     assert not set(calib) & set(held_out) and not set(heal) & set(held_out)
     assert all(len(d) > 500 for d in held_out)
     assert len(load_documents("pydoc:eval")) > 50
+
+
+def test_code_calibration_text_shares_nothing_with_pydoc():
+    source, reference = load_documents("pysrc:calib"), load_documents("pydoc:eval")
+    assert len(source) == 24 and all("def " in d for d in source)
+    assert not any(topic in d for d in source for topic in reference if len(topic) > 200)
