@@ -245,6 +245,8 @@ class EvalPlan:
                if self.retrieval_tasks() else {}),
             **({"retrieval_samples": self.retrieval_samples}
                if self.retrieval_tasks() and self.retrieval_samples != DEFAULT_SAMPLES else {}),
+            **({"retrieval_revisions": revised} if (revised := {t.name: t.wording.revision for t in self.retrieval_tasks()
+                                                                if t.wording.revision > 1}) else {}),
             "pack_version": PACK_VERSION,
             "lm_eval": lm_eval.__version__,
             "transformers": transformers.__version__,

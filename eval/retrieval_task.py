@@ -43,6 +43,7 @@ class Wording:
     question: str  # with {label} for multikey; ends where the answer starts
     labels: tuple[str, ...] = ()
     prose: str | None = None  # a named text range for needle prompts, else filler
+    revision: int = 1  # raised when the wording changes: results cached under an older one are not reused
 
 
 EVAL_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -71,11 +72,11 @@ WORDINGS: dict[str, Wording] = {
         "Somewhere in the notes below is a code. Keep it in mind; you will be asked for it.\n", CALIB_FILLER,
         "The secret code is {key}. Keep it safe: {key}. ",
         "\nWhich secret code was given? The secret code is"),
-    "needle_calib": Wording(
-        "", "", "Today's lucky code is {key}. ",
-        "\nQuestion: which lucky code was mentioned for today? Answer: today's lucky code is",
-        prose="wikipedia:calib"),
-    "needle_code_calib": Wording(  # not "code": inside source code the model answers with code
+    "needle_calib": Wording(  # a "number", not a "code": asked for a code, the model named one at depth 0
+        "", "", "The lucky number for today is {key}. ",
+        "\nQuestion: which lucky number was mentioned for today? Answer: the lucky number for today is",
+        prose="wikipedia:calib", revision=2),
+    "needle_code_calib": Wording(  # a "number", as needle_calib: inside source a "code" is code
         "", "", "The secret number for this week is {key}. ",
         "\nQuestion: what is the secret number for this week? Answer: the secret number for this week is",
         prose="pysrc:calib"),

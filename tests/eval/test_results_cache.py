@@ -95,3 +95,16 @@ def test_retrieval_samples_reach_the_tasks_and_the_key():
     assert "retrieval_samples" not in EvalPlan.make(["arc_easy"], None, None, 8, retrieval_samples=20).settings()
     with pytest.raises(KvslimError, match="--retrieval-samples"):
         EvalPlan.make(["passkey"], None, None, 8, retrieval_samples=0)
+
+
+def test_a_reworded_retrieval_task_is_a_new_cache_key():
+    """A task whose wording changed (``Wording.revision``) is keyed by it; the others' keys stay."""
+    from eval.lm_eval_runner import EvalPlan
+    from eval.retrieval_task import WORDINGS
+
+    def settings(tasks: list[str]) -> dict:
+        return EvalPlan.make(tasks, None, None, 8).settings()
+
+    assert "retrieval_revisions" not in settings(["passkey", "needle"])
+    assert settings(["passkey", "needle_calib"])["retrieval_revisions"] == {"needle_calib": WORDINGS["needle_calib"].revision}
+    assert WORDINGS["needle_calib"].revision > 1
