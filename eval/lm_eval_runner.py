@@ -219,7 +219,6 @@ class EvalPlan:
         placement = Placement.resolve(self.device, self.kernels)
         named_ppl = any(t in PERPLEXITY_TASKS for t in self.tasks)
         low_bit = [LOW_BIT_KV[part] for part in self.kv_cache_dtype.split(SEPARATOR) if part in LOW_BIT_KV]
-        reworded = {t.name: t.wording.revision for t in self.retrieval_tasks() if t.wording.revision > 1}
         return {
             "tasks": sorted(self.tasks),
             "limits": dict(sorted(self.limits.items())),
@@ -242,11 +241,11 @@ class EvalPlan:
             # a scored token its own row exact, as decoded); also under "auto", where a
             # checkpoint's kv_cache_scheme may choose FP8
             "kvslim_kv_read": 3,
-            **({"retrieval_contexts": list(self.retrieval_contexts), "retrieval_version": 1}
+            **({"retrieval_contexts": list(self.retrieval_contexts), "retrieval_version": 1,
+                "retrieval_wordings": {t.name: t.wording.digest for t in self.retrieval_tasks()}}
                if self.retrieval_tasks() else {}),
             **({"retrieval_samples": self.retrieval_samples}
                if self.retrieval_tasks() and self.retrieval_samples != DEFAULT_SAMPLES else {}),
-            **({"retrieval_revisions": reworded} if reworded else {}),
             "pack_version": PACK_VERSION,
             "lm_eval": lm_eval.__version__,
             "transformers": transformers.__version__,

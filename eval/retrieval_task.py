@@ -21,6 +21,9 @@ the evaluation tasks.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import random
 import re
 from dataclasses import dataclass
@@ -43,7 +46,11 @@ class Wording:
     question: str  # with {label} for multikey; ends where the answer starts
     labels: tuple[str, ...] = ()
     prose: str | None = None  # a named text range for needle prompts, else filler
-    revision: int = 1  # raised when the wording changes: results cached under an older one are not reused
+
+    @property
+    def digest(self) -> str:
+        """A short hash of every field: part of the results cache key, so a reworded task re-runs."""
+        return hashlib.sha256(json.dumps(dataclasses.astuple(self)).encode()).hexdigest()[:12]
 
 
 EVAL_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -75,7 +82,7 @@ WORDINGS: dict[str, Wording] = {
     "needle_calib": Wording(  # a "number", not a "code": asked for a code, the model named one at depth 0
         "", "", "The lucky number for today is {key}. ",
         "\nQuestion: which lucky number was mentioned for today? Answer: the lucky number for today is",
-        prose="wikipedia:calib", revision=2),
+        prose="wikipedia:calib"),
     "needle_code_calib": Wording(  # a "number", as needle_calib: inside source a "code" is code
         "", "", "The secret number for this week is {key}. ",
         "\nQuestion: what is the secret number for this week? Answer: the secret number for this week is",

@@ -97,14 +97,20 @@ def test_retrieval_samples_reach_the_tasks_and_the_key():
         EvalPlan.make(["passkey"], None, None, 8, retrieval_samples=0)
 
 
-def test_a_reworded_retrieval_task_is_a_new_cache_key():
-    """A task whose wording changed (``Wording.revision``) is keyed by it; the others' keys stay."""
+def test_a_reworded_retrieval_task_is_a_new_cache_key(monkeypatch):
+    """Each retrieval task's wording is hashed into the key: rewording one re-keys it, not the others."""
+    import dataclasses
+
+    from eval import retrieval_task
     from eval.lm_eval_runner import EvalPlan
-    from eval.retrieval_task import WORDINGS
 
-    def settings(tasks: list[str]) -> dict:
-        return EvalPlan.make(tasks, None, None, 8).settings()
+    def wordings() -> dict:
+        return EvalPlan.make(["passkey", "needle_calib"], None, None, 8).settings()["retrieval_wordings"]
 
-    assert "retrieval_revisions" not in settings(["passkey", "needle"])
-    assert settings(["passkey", "needle_calib"])["retrieval_revisions"] == {"needle_calib": WORDINGS["needle_calib"].revision}
-    assert WORDINGS["needle_calib"].revision > 1
+    before = wordings()
+    assert set(before) == {"passkey", "needle_calib"} and "retrieval_wordings" not in EvalPlan.make(
+        ["arc_easy"], None, None, 8).settings()
+    reworded = dataclasses.replace(retrieval_task.WORDINGS["needle_calib"], fact="The code is {key}. ")
+    monkeypatch.setitem(retrieval_task.WORDINGS, "needle_calib", reworded)
+    after = wordings()
+    assert after["needle_calib"] != before["needle_calib"] and after["passkey"] == before["passkey"]
