@@ -52,8 +52,9 @@ def main() -> int:
     for kv in args.kv_dtypes:
         dtype, _, how = kv.partition(":")
         scales = calibrated_kv_scales(path, args.calib_samples) if how == "calibrated" else None
-        bits = {"quantized-first-block": EXACT_FIRST_BLOCK_BITS - {LOW_BIT_KV.get(dtype)},
-                "exact-first-block": EXACT_FIRST_BLOCK_BITS | {LOW_BIT_KV.get(dtype)}}.get(how, EXACT_FIRST_BLOCK_BITS)
+        widths = LOW_BIT_KV[dtype].widths if dtype in LOW_BIT_KV else frozenset()
+        bits = {"quantized-first-block": EXACT_FIRST_BLOCK_BITS - widths,
+                "exact-first-block": EXACT_FIRST_BLOCK_BITS | widths}.get(how, EXACT_FIRST_BLOCK_BITS)
         with mock.patch("runtime.cache.kv_cache.EXACT_FIRST_BLOCK_BITS", frozenset(bits)):
             engine = Engine(model, EngineConfig(kv_dtype=dtype, max_num_batched_tokens=args.ctx, max_model_len=args.ctx + 2,
                                                 kv_cache_bytes=max(64, args.ctx // 16) << 20), layer_scales=scales)

@@ -218,7 +218,8 @@ class EvalPlan:
 
         placement = Placement.resolve(self.device, self.kernels)
         named_ppl = any(t in PERPLEXITY_TASKS for t in self.tasks)
-        low_bit = [LOW_BIT_KV[part] for part in self.kv_cache_dtype.split(SEPARATOR) if part in LOW_BIT_KV]
+        low_bit = [b for part in self.kv_cache_dtype.split(SEPARATOR) if part in LOW_BIT_KV
+                   for b in LOW_BIT_KV[part].widths]
         return {
             "tasks": sorted(self.tasks),
             "limits": dict(sorted(self.limits.items())),

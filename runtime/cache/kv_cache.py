@@ -11,7 +11,7 @@ Layout per layer slot (shared with ``runtime/kernels``):
   (``float8_e4m3fn`` / ``int8`` for quantized KV);
 - quantized KV adds ``k_scale``, ``v_scale``: ``[num_blocks, block_size, num_kv_heads]`` fp32
   (dynamic, per token and head), or 0-dim fp32 per-layer scalars from the checkpoint;
-- ``int4`` / ``int2`` KV is packed instead (``runtime.cache.packed_layer``): codes, per-block key
+- ``int4`` / ``int2`` / ``k4v2`` KV is packed instead (``runtime.cache.packed_layer``): codes, per-block key
   and per-token value parameters, and a few full-precision residual blocks for open blocks.
 A token at logical position ``p`` of a sequence lives in slot
 ``block_table[p // block_size] * block_size + p % block_size``.
@@ -32,6 +32,7 @@ from runtime.cache.low_bit_kv import (
     EXACT_FIRST_BLOCK_BITS,
     LOW_BIT_KV,
     PARAM_DTYPE,
+    PackedBits,
     VALUES_ROTATED_BITS,
     bytes_per_token_head,
     packed_dim,
@@ -81,8 +82,8 @@ class CacheGroup:
         return self.kv_dtype in QUANT_DTYPES
 
     @property
-    def bits(self) -> int | None:
-        """4 or 2 for packed low-bit KV, else None."""
+    def bits(self) -> PackedBits | None:
+        """Key and value code widths of packed low-bit KV, else None."""
         return LOW_BIT_KV.get(self.kv_dtype)
 
     @property
@@ -90,7 +91,7 @@ class CacheGroup:
         """Whether each sequence's first block is also kept exact while it runs (``packed_layer``):
         full attention only, where a bf16 block is a small share of the context; a windowed group
         holds only its sinks' block and its window, which the bf16 block would outweigh."""
-        return self.bits in EXACT_FIRST_BLOCK_BITS and self.kind == "full"
+        return self.bits is not None and bool(self.bits.widths & EXACT_FIRST_BLOCK_BITS) and self.kind == "full"
 
 
 def sink_block_count(sinks: int, block_size: int) -> int:
@@ -117,7 +118,7 @@ class KVCacheSpec:
         """``kv_dtype``: one cache dtype name, or ``FULL/WINDOWED`` (``foundation.kv_dtype_mix``)."""
         mix = KvDtypeMix.parse(kv_dtype, CACHE_DTYPES)
         for name in mix.dtypes:
-            if name in LOW_BIT_KV and (layout.head_dim * LOW_BIT_KV[name]) % 8:
+            if name in LOW_BIT_KV and any(layout.head_dim * b % 8 for b in LOW_BIT_KV[name].widths):
                 raise KvslimError(f"{name} KV packs head_dim into bytes; head_dim {layout.head_dim} does not fit")
         if block_size < 1:
             raise KvslimError(f"block size must be positive, got {block_size}")
@@ -305,7 +306,8 @@ class KVCache:
             for grp, n in zip(spec.groups, self.num_blocks)
         ]
         # per group whose values are rotated: one basis for its layers
-        rotations = [ValueRotation(grp.head_dim, self.device) if grp.bits in VALUES_ROTATED_BITS else None
+        rotations = [ValueRotation(grp.head_dim, self.device) if grp.bits and grp.bits.values in VALUES_ROTATED_BITS
+                     else None
                      for grp in spec.groups]
         self.packed: list[list[PackedLayerCache]] = [
             [PackedLayerCache({k: t[s] for k, t in self.tensors[g].items()}, grp.bits, residual_dtype,
@@ -349,11 +351,10 @@ class KVCache:
 
     def _allocate_low_bit(self, grp: CacheGroup, shape: tuple[int, ...], device) -> dict[str, torch.Tensor]:
         layers, n, bs, kvh, d = shape
-        codes = (layers, n, bs, kvh, packed_dim(d, grp.bits))
         residual = (layers, self.residual_blocks, bs, kvh, d)
         return {
-            "k_codes": torch.zeros(codes, dtype=torch.uint8, device=device),
-            "v_codes": torch.zeros(codes, dtype=torch.uint8, device=device),
+            "k_codes": torch.zeros((layers, n, bs, kvh, packed_dim(d, grp.bits.keys)), dtype=torch.uint8, device=device),
+            "v_codes": torch.zeros((layers, n, bs, kvh, packed_dim(d, grp.bits.values)), dtype=torch.uint8, device=device),
             "k_scale": torch.ones((layers, n, kvh, d), dtype=PARAM_DTYPE, device=device),
             "k_min": torch.zeros((layers, n, kvh, d), dtype=PARAM_DTYPE, device=device),
             "v_scale": torch.ones((layers, n, bs, kvh), dtype=PARAM_DTYPE, device=device),
@@ -375,11 +376,11 @@ class KVCache:
                 for g, slots in enumerate(self.residual_slots) if slots is not None}
 
     def is_packed(self, layer: int) -> bool:
-        """Whether ``layer``'s cache is int4/int2 (packed, quantized a block at a time)."""
+        """Whether ``layer``'s cache is packed low-bit KV (quantized a block at a time)."""
         return isinstance(self.layers[layer], PackedLayerCache)
 
     def is_quantized(self, layer: int) -> bool:
-        """Whether ``layer``'s cache quantizes what it stores (FP8/INT8 scales, or packed int4/int2):
+        """Whether ``layer``'s cache quantizes what it stores (FP8/INT8 scales, or packed low-bit KV):
         a step then reads its own new rows exact, not back from the cache."""
         lc = self.layers[layer]
         return isinstance(lc, PackedLayerCache) or lc.k_scale is not None
@@ -390,7 +391,7 @@ class KVCache:
         return isinstance(lc, PackedLayerCache) and lc.keys_before_rope
 
     def value_rotation(self, layer: int) -> ValueRotation | None:
-        """The basis ``layer``'s cache keeps values in (int2), or None: values as they are."""
+        """The basis ``layer``'s cache keeps values in (2-bit values), or None: values as they are."""
         lc = self.layers[layer]
         return lc.value_rotation if isinstance(lc, PackedLayerCache) else None
 

@@ -1,5 +1,9 @@
 """K and V at 4 or 2 bits, KIVI-style: asymmetric codes, keys per channel, values per token.
 
+``int4`` and ``int2`` store keys and values at the same width; ``k4v2`` stores keys at 4 bits and
+values at 2 (KIVI's finding: keys carry the outlier channels that retrieval reads, values average
+their error out over the attended tokens). Each rule below applies to the part at its width.
+
 Keys have outlier *channels* (a few head_dim coordinates large for every token), so a key block
 is quantized per channel over the block's tokens: ``scale, minimum [blocks, kv_heads, head_dim]``.
 Values have no such structure and are quantized per token and head: ``scale, minimum [..., kv_heads]``.
@@ -20,11 +24,29 @@ rotated basis (``value_rotation``: the attention backends rotate them in and the
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from foundation.kv_dtype_mix import SEPARATOR
 
-LOW_BIT_KV: dict[str, int] = {"int4": 4, "int2": 2}  # KV dtype name -> bits
+
+
+@dataclass(frozen=True)
+class PackedBits:
+    """Code widths of a packed KV dtype: keys' and values'."""
+
+    keys: int
+    values: int
+
+    @property
+    def widths(self) -> frozenset[int]:
+        return frozenset((self.keys, self.values))
+
+
+LOW_BIT_KV: dict[str, PackedBits] = {  # KV dtype name -> its code widths
+    "int4": PackedBits(4, 4), "int2": PackedBits(2, 2), "k4v2": PackedBits(4, 2),
+}
 PARAM_DTYPE = torch.float16
 PARAM_BYTES = 2
 MIN_SCALE = 1e-6  # an all-equal channel or token gets a tiny scale, never a division by zero
@@ -32,7 +54,7 @@ MIN_SCALE = 1e-6  # an all-equal channel or token gets a tiny scale, never a div
 # 2,048): int2 +35% -> +22% perplexity; int4 +0.21% -> +0.17%, less than a rotation per read costs.
 KEYS_BEFORE_ROPE_BITS = frozenset({2})
 # Bit widths whose sequences keep their first block (the attention sinks) exact while they run, in
-# full-attention groups (``packed_layer``): a bf16 block per sequence and layer, counted in bytes
+# full-attention groups (where either part is stored at one of them) (``packed_layer``): a bf16 block per sequence and layer, counted in bytes
 # per token. Measured
 # served on the dev slice (wikipedia:calib [32768, 36864), context 2,048): int2 +21.9% -> +11.7%.
 EXACT_FIRST_BLOCK_BITS = frozenset({2})
@@ -48,7 +70,7 @@ VALUES_ROTATED_BITS = frozenset({2})
 
 
 def default_block_size(kv_dtype: str) -> int:
-    """Tokens per block: 64 where any group stores int4/int2 KV (a key block's per-channel
+    """Tokens per block: 64 where any group stores packed KV (a key block's per-channel
     parameters cost 4 bytes per channel and head, 4 bytes per token at head_dim 64 over 64 tokens;
     16 at block 16), else 16. ``kv_dtype`` may name a mix (``int8/int2``)."""
     return 64 if any(part in LOW_BIT_KV for part in kv_dtype.split(SEPARATOR)) else 16
@@ -151,9 +173,9 @@ def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor
     return (c * scale.unsqueeze(-1).float() + lo.unsqueeze(-1).float()).to(dtype)
 
 
-def bytes_per_token_head(head_dim: int, bits: int, block_size: int) -> float:
+def bytes_per_token_head(head_dim: int, bits: PackedBits, block_size: int) -> float:
     """Stored bytes per token and KV head, K and V, codes and parameters (no residual)."""
-    codes = 2 * packed_dim(head_dim, bits)
+    codes = packed_dim(head_dim, bits.keys) + packed_dim(head_dim, bits.values)
     key_params = 2 * PARAM_BYTES * head_dim / block_size  # per channel, shared by the block's tokens
     value_params = 2 * PARAM_BYTES
     return codes + key_params + value_params

@@ -1,4 +1,4 @@
-"""One layer's 4- or 2-bit paged K/V (``low_bit_kv``), with the block being filled kept exact.
+"""One layer's packed low-bit paged K/V (``low_bit_kv``), with the block being filled kept exact.
 
 A block's keys are quantized per channel over its tokens, so they can only be quantized once the
 block is full. Until then its rows live in a *residual* slot in the activation dtype (KIVI's
@@ -28,6 +28,7 @@ import torch
 from foundation.errors import KvslimError
 from runtime.cache.low_bit_kv import (
     KEYS_BEFORE_ROPE_BITS,
+    PackedBits,
     dequantize_keys,
     dequantize_values,
     quantize_key_blocks,
@@ -41,7 +42,7 @@ from runtime.cache.write_plan import WritePlan
 class PackedLayerCache:
     """Views of one layer slot's packed tensors and residual rows, over its group's slot table."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], bits: int, residual_dtype: torch.dtype,
+    def __init__(self, tensors: dict[str, torch.Tensor], bits: PackedBits, residual_dtype: torch.dtype,
                  exact_first_block: bool, slots: ResidualSlots, value_rotation: ValueRotation | None = None):
         """``slots``: the cache group's slot table, shared by its layers; ``value_rotation``: the
         group's value basis (None: values as they are), which the caller rotates values into and
@@ -51,7 +52,7 @@ class PackedLayerCache:
         self.v_scale, self.v_min = tensors["v_scale"], tensors["v_min"]
         self.k_residual, self.v_residual = tensors["k_residual"], tensors["v_residual"]
         self.bits = bits
-        self.keys_before_rope = bits in KEYS_BEFORE_ROPE_BITS  # the caller stores and reads keys unrotated
+        self.keys_before_rope = bits.keys in KEYS_BEFORE_ROPE_BITS  # the caller stores and reads keys unrotated
         self.value_rotation = value_rotation
         self.exact_first_block = exact_first_block  # the caller's write plans keep first blocks in their slots
         self.block_size = self.k_codes.shape[1]
@@ -104,9 +105,9 @@ class PackedLayerCache:
         def quantize(plan: WritePlan) -> None:
             full = plan.full
             self.k_codes[full], self.k_scale[full], self.k_min[full] = quantize_key_blocks(
-                self._filled_rows(plan, k, self.k_residual), self.bits, plan.first)
+                self._filled_rows(plan, k, self.k_residual), self.bits.keys, plan.first)
             self.v_codes[full], self.v_scale[full], self.v_min[full] = quantize_value_rows(
-                self._filled_rows(plan, v, self.v_residual), self.bits)
+                self._filled_rows(plan, v, self.v_residual), self.bits.values)
 
         def store(stays: torch.Tensor) -> None:
             index, offsets = self.slot_of[slots[stays] // bs], slots[stays] % bs
@@ -133,8 +134,8 @@ class PackedLayerCache:
         rows, the rest dequantized."""
         flat = blocks.reshape(-1)
         key_dtype = key_dtype or dtype
-        k = dequantize_keys(self.k_codes[flat], self.k_scale[flat], self.k_min[flat], self.bits, key_dtype)
-        v = dequantize_values(self.v_codes[flat], self.v_scale[flat], self.v_min[flat], self.bits, dtype)
+        k = dequantize_keys(self.k_codes[flat], self.k_scale[flat], self.k_min[flat], self.bits.keys, key_dtype)
+        v = dequantize_values(self.v_codes[flat], self.v_scale[flat], self.v_min[flat], self.bits.values, dtype)
         if (self.slot_host >= 0).any():  # some block is open (the host's record: no device read)
             slot = self.slot_of[flat]
             open_ = slot >= 0

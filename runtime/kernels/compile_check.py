@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from foundation.errors import KvslimError
-from runtime.cache.low_bit_kv import KEYS_BEFORE_ROPE_BITS
+from runtime.cache.low_bit_kv import KEYS_BEFORE_ROPE_BITS, LOW_BIT_KV
 from runtime.kernels.packed_kv_store import clip_steps, quantize_num_warps
 from runtime.kernels.packed_paged_attention import key_tile
 from runtime.kernels.paged_attention import attention_num_warps
@@ -145,32 +145,37 @@ def _store_variants() -> list[KernelVariant]:
 
 
 def _packed_variants() -> list[KernelVariant]:
-    """The packed int4/int2 KV store, block quantization and attention (``packed_*`` modules)."""
+    """The packed low-bit KV store, block quantization and attention (``packed_*`` modules)."""
     store_mod, attn_mod = "runtime.kernels.packed_kv_store", "runtime.kernels.packed_paged_attention"
     out = [KernelVariant("packed store bf16 residual", "residual_store_kernel", store_mod,
                          {"k_ptr": "*bf16", "v_ptr": "*bf16", "k_residual_ptr": "*bf16", "v_residual_ptr": "*bf16",
                           "slot_of_ptr": "*i64", "slot_ptr": "*i64"}, dict(BLOCK_H=8, BLOCK_D=128), True)]
-    for bits, residual, d, quick in ((4, "bf16", 128, True), (2, "fp16", 64, True)):
+    for kv, residual, d, quick in (("int4", "bf16", 128, True), ("int2", "fp16", 64, True), ("k4v2", "bf16", 64, True)):
+        bits = LOW_BIT_KV[kv]
         out.append(KernelVariant(
-            f"quantize int{bits} blocks {residual} d{d}", "quantize_blocks_kernel", store_mod,
+            f"quantize {kv} blocks {residual} d{d}", "quantize_blocks_kernel", store_mod,
             {"k_ptr": f"*{residual}", "v_ptr": f"*{residual}", "k_residual_ptr": f"*{residual}",
              "v_residual_ptr": f"*{residual}", "full_slot_ptr": "*i64", "blocks_ptr": "*i64", "src_ptr": "*i64",
              "first_ptr": "*i1",
              "k_codes_ptr": "*u8", "v_codes_ptr": "*u8", "k_scale_ptr": "*fp16", "k_min_ptr": "*fp16",
              "v_scale_ptr": "*fp16", "v_min_ptr": "*fp16"},
-            dict(BITS=bits, BLOCK_S=64, BLOCK_P=d * bits // 8, MIN_SCALE_=1e-6, CLIP_STEPS=clip_steps(bits)), quick,
+            dict(KEY_BITS=bits.keys, VALUE_BITS=bits.values, BLOCK_S=64, BLOCK_P=d * bits.keys // 8,
+                 BLOCK_VP=d * bits.values // 8, MIN_SCALE_=1e-6, CLIP_STEPS=clip_steps(bits.keys)), quick,
             num_warps=quantize_num_warps(64, d)))
-    cases = [  # (name, q, residual, bits, D, QPK, decode, splits, block size, window, softcap, fresh, quick)
-        ("int4 kv decode d64 gqa3", "bf16", "bf16", 4, 64, 3, True, 1, 64, False, False, True, True),
-        ("int4 kv decode split d128 gqa4", "bf16", "bf16", 4, 128, 4, True, 8, 64, False, False, True, False),
-        ("int4 kv decode shared-KV d128 gqa4", "bf16", "bf16", 4, 128, 4, True, 1, 64, False, False, False, False),
-        ("int2 kv prefill window d128 gqa4", "bf16", "bf16", 2, 128, 4, False, 1, 64, True, False, True, True),
-        ("int4 kv/block 8 decode d128 gqa4", "bf16", "bf16", 4, 128, 4, True, 1, 8, False, False, True, True),
-        ("int4 kv prefill softcap d256 mqa", "fp16", "fp16", 4, 256, 8, False, 1, 64, True, True, True, False),
-        ("int2 kv decode d64 gqa3", "bf16", "bf16", 2, 64, 3, True, 1, 64, False, False, True, True),
-        ("int2 kv/block 8 decode split d128 gqa4", "bf16", "bf16", 2, 128, 4, True, 4, 8, False, False, True, False),
+    cases = [  # (name, q, residual, KV dtype, D, QPK, decode, splits, block size, window, softcap, fresh, quick)
+        ("int4 kv decode d64 gqa3", "bf16", "bf16", "int4", 64, 3, True, 1, 64, False, False, True, True),
+        ("int4 kv decode split d128 gqa4", "bf16", "bf16", "int4", 128, 4, True, 8, 64, False, False, True, False),
+        ("int4 kv decode shared-KV d128 gqa4", "bf16", "bf16", "int4", 128, 4, True, 1, 64, False, False, False, False),
+        ("int2 kv prefill window d128 gqa4", "bf16", "bf16", "int2", 128, 4, False, 1, 64, True, False, True, True),
+        ("int4 kv/block 8 decode d128 gqa4", "bf16", "bf16", "int4", 128, 4, True, 1, 8, False, False, True, True),
+        ("int4 kv prefill softcap d256 mqa", "fp16", "fp16", "int4", 256, 8, False, 1, 64, True, True, True, False),
+        ("int2 kv decode d64 gqa3", "bf16", "bf16", "int2", 64, 3, True, 1, 64, False, False, True, True),
+        ("int2 kv/block 8 decode split d128 gqa4", "bf16", "bf16", "int2", 128, 4, True, 4, 8, False, False, True, False),
+        ("k4v2 kv decode d64 gqa3", "bf16", "bf16", "k4v2", 64, 3, True, 1, 64, False, False, True, True),
+        ("k4v2 kv/block 8 prefill d128 gqa4", "bf16", "bf16", "k4v2", 128, 4, False, 1, 8, False, False, True, True),
     ]
-    for name, qd, rd, bits, d, qpk, decode, splits, block_size, window, softcap, fresh, quick in cases:
+    for name, qd, rd, kv, d, qpk, decode, splits, block_size, window, softcap, fresh, quick in cases:
+        bits = LOW_BIT_KV[kv]
         block_m = max(16, 1 << (qpk - 1).bit_length()) if decode else max(64, 1 << (qpk - 1).bit_length())
         ptrs = {"q_ptr": f"*{qd}", "k_new_ptr": f"*{qd}", "v_new_ptr": f"*{qd}", "k_codes_ptr": "*u8", "v_codes_ptr": "*u8",
                 "k_scale_ptr": "*fp16", "k_min_ptr": "*fp16",
@@ -179,9 +184,9 @@ def _packed_variants() -> list[KernelVariant]:
                 "out_ptr": "*fp32" if splits > 1 else f"*{qd}", "lse_ptr": "*fp32" if splits > 1 else f"*{qd}",
                 "inv_freq_ptr": "*fp32"}
         block_n, in_block = key_tile(block_size, d)
-        consts = dict(BITS=bits, QPK=qpk, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=block_m, BLOCK_Q=block_m // qpk,
+        consts = dict(KEY_BITS=bits.keys, VALUE_BITS=bits.values, QPK=qpk, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=block_m, BLOCK_Q=block_m // qpk,
                       BLOCK_N=block_n, NUM_SPLITS=splits, TILE_IN_BLOCK=in_block, USE_WINDOW=window,
-                      USE_SOFTCAP=softcap, FRESH=fresh, ROPE=bits in KEYS_BEFORE_ROPE_BITS)
+                      USE_SOFTCAP=softcap, FRESH=fresh, ROPE=bits.keys in KEYS_BEFORE_ROPE_BITS)
         out.append(KernelVariant(name, "packed_paged_attention_kernel", attn_mod, ptrs, consts, quick,
                                  num_warps=attention_num_warps(block_m, d)))
     return out

@@ -1,4 +1,4 @@
-"""Write new K/V into a packed int4/int2 layer (``runtime.cache.packed_layer``) with Triton.
+"""Write new K/V into a packed low-bit layer (``runtime.cache.packed_layer``) with Triton.
 
 The bookkeeping is the group's, done once per step before any layer writes (``ResidualSlots.apply``:
 the slots the filled blocks held are recorded in the plan and given back, then the blocks left
@@ -12,7 +12,7 @@ path. The data moves on the device:
   ``scale = fp16(max((hi - lo) / levels, 1e-6))``, ``minimum = fp16(lo)``, and codes
   ``round_half_even((x - minimum) / scale)`` clamped to ``[0, levels]`` from those fp16
   parameters (IEEE division, so the codes are the torch path's bit for bit), packed ``8 // bits``
-  to a byte along head_dim, low bits first; with ``CLIP_STEPS`` a key channel's range is the one
+  to a byte along head_dim, low bits first (keys at ``KEY_BITS``, values at ``VALUE_BITS``); with ``CLIP_STEPS`` a key channel's range is the one
   of least squared error among ``1 - i / 16`` of it about its centre, i <= CLIP_STEPS
   (``low_bit_kv.KEY_RANGE_SHRINKS``; the same fp32 candidates and errors, though a GPU may fuse the
   error's multiply-add and so break a near-tie between two ranges the other way), except in the
@@ -96,21 +96,24 @@ def _rows(x_ptr, residual_ptr, new_rows, old_rows, from_new, from_old, d):
 def quantize_blocks_kernel(
     k_ptr, v_ptr, k_residual_ptr, v_residual_ptr, full_slot_ptr, blocks_ptr, src_ptr, first_ptr,
     k_codes_ptr, v_codes_ptr, k_scale_ptr, k_min_ptr, v_scale_ptr, v_min_ptr,
-    block_size, bytes_per_row,
+    block_size, bytes_per_row, value_bytes_per_row,
     stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_rb, stride_rs, stride_rh, stride_cb, stride_cs, stride_ch,
+    stride_rb, stride_rs, stride_rh, stride_cb, stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch,
     stride_kpb, stride_kph, stride_vpb, stride_vps,
-    BITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, MIN_SCALE_: tl.constexpr,
-    CLIP_STEPS: tl.constexpr,
+    KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_VP: tl.constexpr, MIN_SCALE_: tl.constexpr, CLIP_STEPS: tl.constexpr,
 ):
     """Grid ``(num_blocks, kvh)``: program (i, h) quantizes head h of block ``blocks[i]`` (none where
     negative: a per-row plan's, ``WritePlan.per_row_plan``), whose row
     at offset s is new row ``src[i, s]`` or, where that is negative, its row in residual slot
     ``full_slot[i]`` (the slot the block held before this step's write; none where negative).
     Byte p of a packed row holds channels ``p * PER + j``, j < PER, so each pass j reads one
-    ``[BLOCK_S, BLOCK_P]`` tile of channels and ORs its codes in at bit ``j * BITS``."""
-    PER: tl.constexpr = 8 // BITS
-    LEVELS: tl.constexpr = (1 << BITS) - 1
+    ``[BLOCK_S, BLOCK_P]`` tile of channels and ORs its codes in at bit ``j * BITS`` (keys'
+    ``BLOCK_P`` bytes a row, values' ``BLOCK_VP``, ``bytes_per_row`` and ``value_bytes_per_row``)."""
+    PER: tl.constexpr = 8 // KEY_BITS
+    LEVELS: tl.constexpr = (1 << KEY_BITS) - 1
+    VPER: tl.constexpr = 8 // VALUE_BITS
+    VLEVELS: tl.constexpr = (1 << VALUE_BITS) - 1
     i = tl.program_id(0)
     blk = tl.load(blocks_ptr + i).to(tl.int64)
     if blk < 0:  # a per-row plan's row that fills no block
@@ -152,24 +155,28 @@ def quantize_blocks_kernel(
                 scale, lo, err = tl.where(better, s_i, scale), tl.where(better, lo_i, lo), tl.where(better, e_i, err)
         tl.store(k_scale_ptr + blk * stride_kpb + head * stride_kph + d, scale, mask=p_ok)
         tl.store(k_min_ptr + blk * stride_kpb + head * stride_kph + d, lo, mask=p_ok)
-        packed = packed | (_codes(x, scale[None, :], lo[None, :], LEVELS) << (j * BITS))
+        packed = packed | (_codes(x, scale[None, :], lo[None, :], LEVELS) << (j * KEY_BITS))
     tl.store(k_codes_ptr + packed_at, packed.to(tl.uint8), mask=ok)
 
-    # Values: one range per token over head_dim.
+    # Values: one range per token over head_dim, in tiles of their own width.
+    offs_vp = tl.arange(0, BLOCK_VP)
+    v_ok = s_ok[:, None] & (offs_vp < value_bytes_per_row)[None, :]
+    v_new, v_old = v_ok & (src >= 0)[:, None], v_ok & ((src < 0) & held)[:, None]
     lo = tl.full((BLOCK_S,), float("inf"), dtype=tl.float32)
     hi = tl.full((BLOCK_S,), float("-inf"), dtype=tl.float32)
-    for j in tl.static_range(PER):
-        x = _rows(v_ptr, v_residual_ptr, v_rows, old_rows, from_new, from_old, offs_p * PER + j)
-        lo = tl.minimum(lo, tl.min(tl.where(ok, x, float("inf")), axis=1))
-        hi = tl.maximum(hi, tl.max(tl.where(ok, x, float("-inf")), axis=1))
-    scale, lo = _params(lo, hi, LEVELS, MIN_SCALE_)
+    for j in tl.static_range(VPER):
+        x = _rows(v_ptr, v_residual_ptr, v_rows, old_rows, v_new, v_old, offs_vp * VPER + j)
+        lo = tl.minimum(lo, tl.min(tl.where(v_ok, x, float("inf")), axis=1))
+        hi = tl.maximum(hi, tl.max(tl.where(v_ok, x, float("-inf")), axis=1))
+    scale, lo = _params(lo, hi, VLEVELS, MIN_SCALE_)
     tl.store(v_scale_ptr + blk * stride_vpb + offs_s * stride_vps + head, scale, mask=s_ok)
     tl.store(v_min_ptr + blk * stride_vpb + offs_s * stride_vps + head, lo, mask=s_ok)
-    packed = tl.zeros((BLOCK_S, BLOCK_P), dtype=tl.int32)
-    for j in tl.static_range(PER):
-        x = _rows(v_ptr, v_residual_ptr, v_rows, old_rows, from_new, from_old, offs_p * PER + j)
-        packed = packed | (_codes(x, scale[:, None], lo[:, None], LEVELS) << (j * BITS))
-    tl.store(v_codes_ptr + packed_at, packed.to(tl.uint8), mask=ok)
+    packed = tl.zeros((BLOCK_S, BLOCK_VP), dtype=tl.int32)
+    for j in tl.static_range(VPER):
+        x = _rows(v_ptr, v_residual_ptr, v_rows, old_rows, v_new, v_old, offs_vp * VPER + j)
+        packed = packed | (_codes(x, scale[:, None], lo[:, None], VLEVELS) << (j * VALUE_BITS))
+    v_at = blk * stride_vcb + offs_s[:, None] * stride_vcs + head * stride_vch + offs_vp[None, :]
+    tl.store(v_codes_ptr + v_at, packed.to(tl.uint8), mask=v_ok)
 
 
 # --------------------------------------------------------------------------- checks
@@ -181,7 +188,8 @@ def check_packed_layer(cache: PackedLayerCache) -> None:
                           f"{tuple(res.shape)} {res.dtype} and {tuple(cache.v_residual.shape)}")
     n, bs, kvh, d = codes.shape[0], res.shape[1], res.shape[2], res.shape[3]
     expected = {
-        "k_codes": ((n, bs, kvh, packed_dim(d, cache.bits)), torch.uint8), "v_codes": ((n, bs, kvh, packed_dim(d, cache.bits)), torch.uint8),
+        "k_codes": ((n, bs, kvh, packed_dim(d, cache.bits.keys)), torch.uint8),
+        "v_codes": ((n, bs, kvh, packed_dim(d, cache.bits.values)), torch.uint8),
         "k_scale": ((n, kvh, d), PARAM_DTYPE), "k_min": ((n, kvh, d), PARAM_DTYPE),
         "v_scale": ((n, bs, kvh), PARAM_DTYPE), "v_min": ((n, bs, kvh), PARAM_DTYPE),
     }
@@ -190,9 +198,9 @@ def check_packed_layer(cache: PackedLayerCache) -> None:
         if tuple(t.shape) != shape or t.dtype != dtype or t.stride(-1) != 1 or t.device != res.device:
             raise KvslimError(f"{name} must be {dtype} {list(shape)} with unit stride on {res.device}, "
                               f"got {t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}")
-    pairs = (("k_codes", "v_codes"), ("k_scale", "k_min"), ("v_scale", "v_min"), ("k_residual", "v_residual"))
+    pairs = (("k_scale", "k_min"), ("v_scale", "v_min"), ("k_residual", "v_residual"))
     if res.stride(-1) != 1 or any(getattr(cache, a).stride() != getattr(cache, b).stride() for a, b in pairs):
-        raise KvslimError("packed K and V tensors (and each scale and its minimum) must have equal strides, unit on the last dim")
+        raise KvslimError("residual K and V (and each scale and its minimum) must have equal strides, unit on the last dim")
     if cache.slot_of.dtype != torch.int64 or tuple(cache.slot_of.shape) != (n,):
         raise KvslimError(f"slot_of must be int64 [{n}], got {cache.slot_of.dtype} {tuple(cache.slot_of.shape)}")
 
@@ -207,9 +215,9 @@ def _check_store(k, v, cache: PackedLayerCache, slot_mapping) -> None:
 
 
 # --------------------------------------------------------------------------- wrapper
-def clip_steps(bits: int) -> int:
-    """``quantize_blocks_kernel``'s CLIP_STEPS at ``bits``: clipped key ranges tried beyond the full one."""
-    return len(KEY_RANGE_SHRINKS) - 1 if bits in CLIPPED_KEY_BITS else 0
+def clip_steps(key_bits: int) -> int:
+    """``quantize_blocks_kernel``'s CLIP_STEPS for keys at ``key_bits``: clipped ranges tried beyond the full one."""
+    return len(KEY_RANGE_SHRINKS) - 1 if key_bits in CLIPPED_KEY_BITS else 0
 
 
 def quantize_num_warps(block_size: int, head_dim: int) -> int:
@@ -227,7 +235,7 @@ def store_packed_kv(k: torch.Tensor, v: torch.Tensor, cache: PackedLayerCache, s
         _check_store(k, v, cache, slot_mapping)
     k, v = k.contiguous(), v.contiguous()
     T, kvh, d = k.shape
-    res, codes = cache.k_residual, cache.k_codes
+    res, codes, vc = cache.k_residual, cache.k_codes, cache.v_codes
     bs = res.shape[1]
 
     def quantize(plan: WritePlan) -> None:
@@ -241,13 +249,15 @@ def store_packed_kv(k: torch.Tensor, v: torch.Tensor, cache: PackedLayerCache, s
             k_residual_ptr=res, v_residual_ptr=cache.v_residual, full_slot_ptr=plan.full_slots,
             stride_rb=res.stride(0), stride_rs=res.stride(1), stride_rh=res.stride(2),
             # the packed codes and their parameters
-            k_codes_ptr=codes, v_codes_ptr=cache.v_codes, bytes_per_row=codes.shape[-1],
+            k_codes_ptr=codes, v_codes_ptr=vc, bytes_per_row=codes.shape[-1], value_bytes_per_row=vc.shape[-1],
             stride_cb=codes.stride(0), stride_cs=codes.stride(1), stride_ch=codes.stride(2),
+            stride_vcb=vc.stride(0), stride_vcs=vc.stride(1), stride_vch=vc.stride(2),
             k_scale_ptr=ks, k_min_ptr=cache.k_min, stride_kpb=ks.stride(0), stride_kph=ks.stride(1),
             v_scale_ptr=vs, v_min_ptr=cache.v_min, stride_vpb=vs.stride(0), stride_vps=vs.stride(1),
             # bits and tile shapes
-            BITS=cache.bits, BLOCK_S=triton.next_power_of_2(bs), BLOCK_P=triton.next_power_of_2(codes.shape[-1]),
-            MIN_SCALE_=MIN_SCALE, CLIP_STEPS=clip_steps(cache.bits), num_warps=quantize_num_warps(bs, d),
+            KEY_BITS=cache.bits.keys, VALUE_BITS=cache.bits.values, BLOCK_S=triton.next_power_of_2(bs),
+            BLOCK_P=triton.next_power_of_2(codes.shape[-1]), BLOCK_VP=triton.next_power_of_2(vc.shape[-1]),
+            MIN_SCALE_=MIN_SCALE, CLIP_STEPS=clip_steps(cache.bits.keys), num_warps=quantize_num_warps(bs, d),
         )
 
     def store(stays: torch.Tensor) -> None:

@@ -1,4 +1,4 @@
-"""Paged attention over a packed int4/int2 layer (``runtime.cache.packed_layer``): decode,
+"""Paged attention over a packed low-bit layer (``runtime.cache.packed_layer``): decode,
 prefill and extend in one kernel, as ``paged_attention`` over the same batch metadata.
 
 The query tile, the key range, the online softmax, the flash-decoding splits and their merge
@@ -7,8 +7,8 @@ are ``paged_attention``'s. Only the reading of a K/V tile differs, as the torch 
 q_len``) comes exact from the step's own ``k``/``v``; an earlier one from its block's residual
 rows when the block is open (``slot_of[block] >= 0``), else from its packed codes, unpacked and
 dequantized in registers as ``minimum + code * scale`` (keys with the block's per-channel
-parameters, values with their per-token ones), in fp32. A layer that stores keys before RoPE
-(``ROPE``; int2) has each cached key rotated at its position after dequantization, in fp32: the
+parameters, values with their per-token ones; keys' codes ``KEY_BITS`` wide, values'
+``VALUE_BITS``), in fp32. A layer that stores keys before RoPE (``ROPE``; 2-bit keys) has each cached key rotated at its position after dequantization, in fp32: the
 tile's channels and their rotate-half partners (channel ``(d + D/2) % D``, the same bit offset of
 byte ``(p + D/2/per) % (D/per)``) are both dequantized, and ``k cos +- k_partner sin`` taken.
 Where key tiles lie in one block, the loop reads codes only and the open blocks come after it.
@@ -114,10 +114,11 @@ def packed_paged_attention_kernel(
     k_residual_ptr, v_residual_ptr, slot_of_ptr,
     block_tables_ptr, context_lens_ptr, query_start_ptr, out_ptr, lse_ptr, inv_freq_ptr,
     sm_scale, softcap, window, sinks, block_size, rope_scaling,
-    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_kpb, stride_kph, stride_vpb, stride_vps,
+    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch,
+    stride_kpb, stride_kph, stride_vpb, stride_vps,
     stride_rb, stride_rs, stride_rh, stride_bt, stride_nt, stride_nh,
     stride_ot, stride_oh, stride_osplit, stride_lt, stride_lsplit,
-    BITS: tl.constexpr, QPK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, QPK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     TILE_IN_BLOCK: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, FRESH: tl.constexpr,
     USE_SINKS: tl.constexpr = False, ROPE: tl.constexpr = False,
@@ -148,13 +149,16 @@ def packed_paged_attention_kernel(
     split_lo, split_hi = _split_range(ctx, q_len, q_block, split, window, BLOCK_Q, BLOCK_N, NUM_SPLITS, USE_WINDOW,
                                       TILE_IN_BLOCK)
 
-    BLOCK_P: tl.constexpr = BLOCK_D // (8 // BITS)
+    BLOCK_P: tl.constexpr = BLOCK_D // (8 // KEY_BITS)  # key bytes a row
     offs_p = tl.arange(0, BLOCK_P)
-    p_ok = offs_p < HEAD_DIM // (8 // BITS)
+    p_ok = offs_p < HEAD_DIM // (8 // KEY_BITS)
+    BLOCK_VP: tl.constexpr = BLOCK_D // (8 // VALUE_BITS)  # value bytes a row
+    offs_vp = tl.arange(0, BLOCK_VP)
+    vp_ok = offs_vp < HEAD_DIM // (8 // VALUE_BITS)
     HALF: tl.constexpr = HEAD_DIM // 2
     if ROPE:  # rotate-half partners: channel (d + D/2) % D, in byte (p + D/2/per) % (D/per)
         offs_dr = (offs_d + HALF) % HEAD_DIM
-        offs_pr = (offs_p + HALF // (8 // BITS)) % (HEAD_DIM // (8 // BITS))
+        offs_pr = (offs_p + HALF // (8 // KEY_BITS)) % (HEAD_DIM // (8 // KEY_BITS))
     first_pos = ctx - q_len
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -176,14 +180,15 @@ def packed_paged_attention_kernel(
             code_base = blk * stride_cb + off * stride_cs + kvh * stride_ch
             par_base = blk * stride_kpb + kvh * stride_kph
             k = _closed_keys(k_codes_ptr, k_scale_ptr, k_min_ptr, code_base, par_base, offs_p, offs_d, closed,
-                             p_ok, d_ok, BITS, BLOCK_N, BLOCK_D)
+                             p_ok, d_ok, KEY_BITS, BLOCK_N, BLOCK_D)
             if ROPE:
                 kp = _closed_keys(k_codes_ptr, k_scale_ptr, k_min_ptr, code_base, par_base, offs_pr, offs_dr,
-                                  closed, p_ok, d_ok, BITS, BLOCK_N, BLOCK_D)
+                                  closed, p_ok, d_ok, KEY_BITS, BLOCK_N, BLOCK_D)
                 k = _rotate_keys(k, kp, offs_j, offs_d, d_ok, inv_freq_ptr, rope_scaling, HALF)
             v_par = blk * stride_vpb + off * stride_vps + kvh
-            v = (_unpack(tl.load(v_codes_ptr + code_base[:, None] + offs_p[None, :],
-                                 mask=closed[:, None] & p_ok[None, :], other=0), BITS, BLOCK_N, BLOCK_D)
+            v_code_base = blk * stride_vcb + off * stride_vcs + kvh * stride_vch
+            v = (_unpack(tl.load(v_codes_ptr + v_code_base[:, None] + offs_vp[None, :],
+                                 mask=closed[:, None] & vp_ok[None, :], other=0), VALUE_BITS, BLOCK_N, BLOCK_D)
                  * tl.load(v_scale_ptr + v_par, mask=closed, other=0.0).to(tl.float32)[:, None]
                  + tl.load(v_min_ptr + v_par, mask=closed, other=0.0).to(tl.float32)[:, None])
         else:
@@ -192,15 +197,16 @@ def packed_paged_attention_kernel(
             opened = cached & (rslot >= 0)
             closed = cached & (rslot < 0)
             code_rows = blk * stride_cb + off * stride_cs + kvh * stride_ch
+            v_code_rows = blk * stride_vcb + off * stride_vcs + kvh * stride_vch
             res_rows = rslot * stride_rb + off * stride_rs + kvh * stride_rh
             par_rows = blk * stride_kpb + kvh * stride_kph
-            vc, vr = _tile_rows(v_codes_ptr, v_residual_ptr, code_rows, res_rows, offs_p, offs_d, closed, opened,
-                                p_ok, d_ok, BITS, BLOCK_N, BLOCK_D)
+            vc, vr = _tile_rows(v_codes_ptr, v_residual_ptr, v_code_rows, res_rows, offs_vp, offs_d, closed, opened,
+                                vp_ok, d_ok, VALUE_BITS, BLOCK_N, BLOCK_D)
             k = _any_block_keys(k_codes_ptr, k_residual_ptr, k_scale_ptr, k_min_ptr, code_rows, res_rows, par_rows,
-                                offs_p, offs_d, closed, opened, p_ok, d_ok, BITS, BLOCK_N, BLOCK_D)
+                                offs_p, offs_d, closed, opened, p_ok, d_ok, KEY_BITS, BLOCK_N, BLOCK_D)
             if ROPE:
                 kp = _any_block_keys(k_codes_ptr, k_residual_ptr, k_scale_ptr, k_min_ptr, code_rows, res_rows,
-                                     par_rows, offs_pr, offs_dr, closed, opened, p_ok, d_ok, BITS, BLOCK_N, BLOCK_D)
+                                     par_rows, offs_pr, offs_dr, closed, opened, p_ok, d_ok, KEY_BITS, BLOCK_N, BLOCK_D)
                 k = _rotate_keys(k, kp, offs_j, offs_d, d_ok, inv_freq_ptr, rope_scaling, HALF)
             v_par = blk * stride_vpb + off * stride_vps + kvh
             v = vc * tl.load(v_scale_ptr + v_par, mask=closed, other=0.0).to(tl.float32)[:, None] \
@@ -258,10 +264,11 @@ def key_tile(block_size: int, head_dim: int) -> tuple[int, bool]:
 def check_packed_rope(cache: PackedLayerCache, key_rope: KeyRope | None) -> None:
     """A key rope the kernel can apply on read to this layer's packed keys (None: keys stored rotated)."""
     d = cache.k_residual.shape[-1]
-    if key_rope is not None and (len(key_rope.inv_freq) * 2 != d or d % (2 * (8 // cache.bits))):
-        raise KvslimError(f"a key rope of {len(key_rope.inv_freq)} frequencies cannot rotate {cache.bits}-bit "
+    bits = cache.bits.keys
+    if key_rope is not None and (len(key_rope.inv_freq) * 2 != d or d % (2 * (8 // bits))):
+        raise KvslimError(f"a key rope of {len(key_rope.inv_freq)} frequencies cannot rotate {bits}-bit "
                           f"keys of head_dim {d} (needs head_dim / 2 frequencies, head_dim a multiple of "
-                          f"{2 * (8 // cache.bits)})")
+                          f"{2 * (8 // bits)})")
 
 
 def check_open_blocks(cache: PackedLayerCache, block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -335,7 +342,7 @@ def packed_paged_attention(
     if T == 0 or S == 0:
         return torch.empty_like(q)
     max_query_len, max_context_len = batch_launch_bounds(query_start_loc, context_lens, max_query_len, max_context_len)
-    res, codes, ks, vs = cache.k_residual, cache.k_codes, cache.k_scale, cache.v_scale
+    res, codes, vc, ks, vs = cache.k_residual, cache.k_codes, cache.v_codes, cache.k_scale, cache.v_scale
     kvh = res.shape[2]
     q = q.contiguous()
     fresh = k is not None
@@ -353,8 +360,9 @@ def packed_paged_attention(
         k_new_ptr=k_new, v_new_ptr=v_new, stride_nt=k_new.stride(0) if fresh else 0,
         stride_nh=k_new.stride(1) if fresh else 0,
         # the packed cache: codes, their parameters, the open blocks' residual rows and slots
-        k_codes_ptr=codes, v_codes_ptr=cache.v_codes, block_size=res.shape[1],
+        k_codes_ptr=codes, v_codes_ptr=vc, block_size=res.shape[1],
         stride_cb=codes.stride(0), stride_cs=codes.stride(1), stride_ch=codes.stride(2),
+        stride_vcb=vc.stride(0), stride_vcs=vc.stride(1), stride_vch=vc.stride(2),
         k_scale_ptr=ks, k_min_ptr=cache.k_min, stride_kpb=ks.stride(0), stride_kph=ks.stride(1),
         v_scale_ptr=vs, v_min_ptr=cache.v_min, stride_vpb=vs.stride(0), stride_vps=vs.stride(1),
         k_residual_ptr=res, v_residual_ptr=cache.v_residual, slot_of_ptr=cache.slot_of,
@@ -368,7 +376,7 @@ def packed_paged_attention(
         out_ptr=target, stride_ot=target.stride(1), stride_oh=target.stride(2), stride_osplit=target.stride(0),
         lse_ptr=plan.lse, stride_lt=stride_lt, stride_lsplit=stride_lsplit,
         # tile shapes
-        BITS=cache.bits, QPK=H // kvh, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
+        KEY_BITS=cache.bits.keys, VALUE_BITS=cache.bits.values, QPK=H // kvh, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
         BLOCK_M=plan.block_m, BLOCK_Q=plan.block_q, BLOCK_N=block_n, NUM_SPLITS=plan.splits,
         # modes
         TILE_IN_BLOCK=in_block, USE_WINDOW=window is not None, USE_SOFTCAP=softcap is not None,

@@ -1,4 +1,4 @@
-"""int4 / int2 KV: codes and parameters, the open block kept exact, and the engine around them."""
+"""int4 / int2 / k4v2 KV: codes and parameters, the open block kept exact, and the engine around them."""
 from unittest import mock
 
 import pytest
@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from runtime.cache.kv_cache import KVCache, KVCacheSpec
 from runtime.cache.low_bit_kv import (
+    LOW_BIT_KV,
     bytes_per_token_head,
     dequantize_keys,
     dequantize_values,
@@ -23,8 +24,9 @@ from runtime.model.loader import load_model
 FP16_EPS = 2**-10  # relative rounding of the fp16 minimum
 TIE = 1e-2  # logprob gap under which two greedy choices may swap when batches differ
 # A prefix hit reads its shared blocks quantized where a fresh prefill attends its prompt exact: on
-# a random tiny model (block 8) that moves logprobs by 0.09 on average at int4, 0.31 at int2.
-QUANT_TIE = {"int4": 1e-1, "int2": 1.0}
+# a random tiny model (block 8) that moves logprobs by 0.09 on average at int4, 0.31 at int2
+# (k4v2's 2-bit values: int2's bound).
+QUANT_TIE = {"int4": 1e-1, "int2": 1.0, "k4v2": 1.0}
 
 
 @pytest.mark.parametrize("bits", [4, 2])
@@ -94,7 +96,7 @@ def _cache(tiny_llama, kv_dtype: str, block_size: int = 8) -> KVCache:
     return KVCache(KVCacheSpec.from_layout(layout, kv_dtype, block_size), (6,), residual_blocks=2)
 
 
-@pytest.mark.parametrize("kv_dtype", ["int4", "int2"])
+@pytest.mark.parametrize("kv_dtype", ["int4", "int2", "k4v2"])
 def test_open_block_is_exact_until_it_fills(tiny_llama, kv_dtype):
     cache = _cache(tiny_llama, kv_dtype)
     layer = cache.layers[0]
@@ -109,8 +111,10 @@ def test_open_block_is_exact_until_it_fills(tiny_llama, kv_dtype):
     assert layer.open_blocks == 0
     kk, vv = cache.gather(0, block, torch.float32)
     assert not torch.equal(kk, k) and (kk - k).abs().max() < (k.abs().max() * 2)
-    codes, scale, lo = quantize_key_blocks(k[None], 4 if kv_dtype == "int4" else 2)
+    codes, scale, lo = quantize_key_blocks(k[None], LOW_BIT_KV[kv_dtype].keys)
     assert torch.equal(cache.tensors[0]["k_codes"][0, 3], codes[0])
+    codes, scale, lo = quantize_value_rows(v, LOW_BIT_KV[kv_dtype].values)
+    assert torch.equal(cache.tensors[0]["v_codes"][0, 3], codes)
 
 
 def test_freed_open_block_gives_its_residual_back(tiny_llama):
@@ -146,15 +150,16 @@ def test_blocks_filled_within_one_write_need_no_residual_slot(tiny_llama):
 
 def test_bytes_per_token(tiny_llama):
     # SmolLM2's head_dim 64 at block 64: int4 72 B per token and head (3.56x smaller than bf16's
-    # 256), int2 40 B (6.4x), codes and parameters included.
-    assert bytes_per_token_head(64, 4, 64) == 72 and bytes_per_token_head(64, 2, 64) == 40
+    # 256), k4v2 56 B (4.57x: 32 B of key codes, 16 of value codes), int2 40 B (6.4x), codes and
+    # parameters included.
+    assert [bytes_per_token_head(64, LOW_BIT_KV[kv], 64) for kv in ("int4", "k4v2", "int2")] == [72, 56, 40]
     cache = _cache(tiny_llama, "int4", block_size=8)
     spec = cache.spec
     per_block = spec.block_bytes(0)
     assert cache.group_nbytes(0) == 6 * per_block + 2 * spec.residual_block_bytes(0, torch.float32)
 
 
-@pytest.mark.parametrize("kv_dtype", ["int4", "int2"])  # int2 also keeps each first block exact
+@pytest.mark.parametrize("kv_dtype", ["int4", "int2", "k4v2"])  # int2 and k4v2 also keep each first block exact
 def test_engine_prefix_hits_and_preemption_with_low_bit_kv(tiny_llama, kv_dtype):
     model = load_model(tiny_llama, "float32")
     system = torch.arange(100, 140).tolist()  # 40 shared tokens: 5 full blocks of 8

@@ -78,7 +78,7 @@ def test_a_prompt_filling_its_first_block_in_one_write_keeps_it():
 def test_bytes_per_token_count_the_exact_first_block(kv_dtype):
     layout = AttentionLayout.from_config(CONFIG)
     spec = KVCacheSpec.from_layout(layout, kv_dtype, BS)
-    exact = LOW_BIT_KV[kv_dtype] in EXACT_FIRST_BLOCK_BITS
+    exact = bool(LOW_BIT_KV[kv_dtype].widths & EXACT_FIRST_BLOCK_BITS)  # k4v2: its 2-bit values
     assert spec.groups[0].exact_first_block == exact
     assert spec.residual_blocks_per_seq == (2 if exact else 1)
     codes = layout.kv_bytes_per_token(64, spec.element_bytes(0), spec.scale_bytes(spec.groups[0]), [0])

@@ -1,4 +1,4 @@
-"""A small packed int4/int2 layer (the engine's own ``KVCache`` allocation) and a batch of
+"""A small packed low-bit layer (the engine's own ``KVCache`` allocation) and a batch of
 sequences written into it in position order, their last blocks left open where the context
 does not fill them."""
 from dataclasses import dataclass
@@ -13,12 +13,17 @@ from runtime.kernels.packed_kv_store import reference_store_packed_kv
 KV_DTYPE = {4: "int4", 2: "int2"}
 
 
-def packed_layer(bits: int, block_size: int = 4, kv_heads: int = 2, head_dim: int = 16, num_blocks: int = 16,
+def kv_dtype(bits: int | str) -> str:
+    """``4`` / ``2``: int4 / int2 (keys and values at those bits); a name (``k4v2``) as it is."""
+    return KV_DTYPE.get(bits, bits)
+
+
+def packed_layer(bits: int | str, block_size: int = 4, kv_heads: int = 2, head_dim: int = 16, num_blocks: int = 16,
                  residual_blocks: int = 6, device="cpu") -> PackedLayerCache:
     """One layer's packed cache; fp32 residual (the interpreter's fp32 -> bf16 cast truncates)."""
     config = dict(num_hidden_layers=1, num_attention_heads=kv_heads, num_key_value_heads=kv_heads,
                   hidden_size=kv_heads * head_dim, head_dim=head_dim)
-    spec = KVCacheSpec.from_layout(AttentionLayout.from_config(config), KV_DTYPE[bits], block_size)
+    spec = KVCacheSpec.from_layout(AttentionLayout.from_config(config), kv_dtype(bits), block_size)
     return KVCache(spec, (num_blocks,), device=device, residual_blocks=residual_blocks).layers[0]
 
 

@@ -1,4 +1,4 @@
-"""The Triton store and paged attention of packed int4/int2 KV against the torch path
+"""The Triton store and paged attention of packed int4/int2/k4v2 KV against the torch path
 (``PackedLayerCache.write`` / ``gather`` and ``reference_attention``). On CPU the kernels run in
 the interpreter, in fp32 (fp32 queries and residual)."""
 from dataclasses import replace
@@ -10,7 +10,7 @@ import torch
 from foundation.errors import KvslimError
 from runtime.attention.backend import reference_attention
 from runtime.attention.key_rope import KeyRope
-from runtime.cache.low_bit_kv import KEYS_BEFORE_ROPE_BITS, quantize_key_blocks
+from runtime.cache.low_bit_kv import quantize_key_blocks
 from runtime.cache.write_plan import WritePlan
 from runtime.kernels import packed_kv_store as pks
 from runtime.kernels import packed_paged_attention as ppa
@@ -49,7 +49,7 @@ STEPS = [
 ]
 
 
-@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("bits", [4, 2, "k4v2"])
 def test_store_matches_the_torch_path(device, bits):
     """One residual slot per sequence: a write takes none for the blocks it fills."""
     ours = packed_layer(bits, block_size=4, num_blocks=8, residual_blocks=2, device=device)
@@ -108,7 +108,7 @@ def per_row(layer, slots: list[int], rows: int, device) -> WritePlan:
                    full_slots=plan.full_slots.to(device))
 
 
-@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("bits", [4, 2, "k4v2"])
 def test_per_row_plans_store_as_the_torch_path(device, bits):
     """Fixed launch shapes: every row of the plan launched, two padded rows (slot -1) that fill
     and keep nothing; the kernels (and the torch path, which compacts the plan) match the write
@@ -125,7 +125,7 @@ def test_per_row_plans_store_as_the_torch_path(device, bits):
         assert_same_layer(torch_path, theirs)
 
 
-@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("bits", [4, 2, "k4v2"])
 def test_blocks_filled_within_one_write_need_no_residual_slot(device, bits):
     """Two sequences in one write fill four blocks (one open since an earlier write, three whole)
     and leave two open: two residual slots suffice, and every filled block is quantized from
@@ -142,7 +142,7 @@ def test_blocks_filled_within_one_write_need_no_residual_slot(device, bits):
         if i == 1:
             assert {int(b) for b in (ours.slot_of >= 0).nonzero()} == {2, 4}
             first_k = rows(steps[0], 0)[0]
-            codes, _, _ = quantize_key_blocks(torch.cat([first_k, k[11:12].cpu()])[None], bits)
+            codes, _, _ = quantize_key_blocks(torch.cat([first_k, k[11:12].cpu()])[None], ours.bits.keys)
             assert torch.equal(ours.k_codes[5].cpu(), codes[0])
     assert ours.open_blocks == 0 and sorted(ours.slots._free) == [0, 1]
 
@@ -173,7 +173,7 @@ CASES = [  # (heads, kv heads, head dim, block size, window, softcap, splits)
 ]
 
 
-@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("bits", [4, 2, "k4v2"])
 @pytest.mark.parametrize("H,KVH,D,block_size,window,softcap,splits", CASES)
 def test_packed_attention_matches_the_torch_path(device, bits, H, KVH, D, block_size, window, softcap, splits):
     scale_up = block_size // 4 if block_size > 4 else 1
@@ -194,7 +194,7 @@ SINK_CASES = [  # (heads, kv heads, head dim, block size, window, sinks, splits)
 ]
 
 
-@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("bits", [4, 2, "k4v2"])
 @pytest.mark.parametrize("H,KVH,D,block_size,window,sinks,splits", SINK_CASES)
 def test_packed_sinks_match_the_torch_path(device, bits, H, KVH, D, block_size, window, sinks, splits):
     scale_up = block_size // 4
@@ -213,7 +213,7 @@ ROPE_CASES = [  # (heads, kv heads, head dim, block size, window, sinks, splits)
 ]
 
 
-@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("bits", [4, 2, "k4v2"])
 @pytest.mark.parametrize("H,KVH,D,block_size,window,sinks,splits", ROPE_CASES)
 def test_keys_stored_before_rope_are_rotated_as_the_torch_path(device, bits, H, KVH, D, block_size, window, sinks,
                                                                 splits):
@@ -255,7 +255,7 @@ def open_first_blocks(b) -> None:
         b.cache.v_residual[slot, :n] = b.v[s][:n].to(b.cache.v_residual)
 
 
-@pytest.mark.parametrize("bits,rope", [(4, False), (2, False), (2, True)])
+@pytest.mark.parametrize("bits,rope", [(4, False), (2, False), (2, True), ("k4v2", False)])
 @pytest.mark.parametrize("window,sinks,splits", [(None, 0, None), (None, 0, 3), (40, 4, 2)])
 def test_open_first_and_last_blocks_are_read_after_the_loop(device, bits, rope, window, sinks, splits):
     """Whole-block tiles read codes only; block 0 and the last cached block, both open, come from
@@ -298,7 +298,7 @@ def test_an_open_block_a_window_no_longer_reads_is_allowed(device):
 # tiles of one block. A prefill chunk after earlier steps (its first tile straddles first_pos,
 # the block it fills mid-chunk read from codes below first_pos and exact above) and decodes
 # whose write closes their block.
-@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("bits", [4, 2, "k4v2"])
 @pytest.mark.parametrize("block_size,splits", [(4, None), (16, None), (16, 2)])
 def test_the_steps_own_rows_are_read_exact(device, bits, block_size, splits):
     m = block_size // 4
@@ -349,7 +349,7 @@ def test_bad_inputs_raise_one_line_errors():
 # ------------------------------------------------------------------ GPU: real sizes, bf16
 @requires_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("bits", [4, 2, "k4v2"])
 @pytest.mark.parametrize("H,KVH,D,block_size,window", [(9, 3, 64, 64, None), (32, 8, 128, 64, None), (8, 1, 256, 16, 512),
                                                        (8, 2, 128, 8, None)])
 def test_gpu_packed_kv_real_sizes(bits, H, KVH, D, block_size, window):
@@ -359,7 +359,7 @@ def test_gpu_packed_kv_real_sizes(bits, H, KVH, D, block_size, window):
     for name in TENSORS:
         assert torch.equal(getattr(b.cache, name).cpu(), getattr(theirs.cache, name)), name
     args = (b.q.bfloat16(), b.k_new.bfloat16(), b.v_new.bfloat16(), *b.args()[3:])
-    rope = KeyRope.of(RopeSpec("default", 10000.0), D, 4096) if bits in KEYS_BEFORE_ROPE_BITS else None
+    rope = KeyRope.of(RopeSpec("default", 10000.0), D, 4096) if b.cache.keys_before_rope else None
     kw = dict(scale=D ** -0.5, window=window, key_rope=rope)
     out = ppa.packed_paged_attention(*args, **kw).float()
     ref = reference_with_tiles_in(torch.bfloat16, *args, **kw).float()
