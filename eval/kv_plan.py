@@ -408,7 +408,7 @@ def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase
 
 
 def _bits(dtype: str) -> int:
-    return {"int2": 2, "k4v2": 3, "int4": 4, "int8": 8}.get(dtype, 16)  # k4v2: its keys' and values' mean
+    return {"int2": 2, "k3v2": 2.5, "k4v2": 3, "int4": 4, "int8": 8}.get(dtype, 16)  # keys' and values' mean
 
 
 def write_planned_checkpoint(model_dir: str | Path, plan: KvPlan, out: str | Path, force: bool = False) -> Path:

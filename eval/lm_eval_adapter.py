@@ -42,7 +42,7 @@ MIB = 1 << 20
 class KvslimLM(TemplateLM):
     """``pretrained``: checkpoint dir or model name; ``dtype``: activations (auto / float32 / bfloat16);
     ``kv_cache_dtype``: auto (the checkpoint's kv_cache_scheme, else its KV plan's, else the model dtype) | fp32 | bf16
-    | fp16 | fp8 | int8 | int4 | int2; ``max_length``: longest scored window (default: the model's
+    | fp16 | fp8 | int8 | int4 | k4v2 | k3v2 | int2; ``max_length``: longest scored window (default: the model's
     max_position_embeddings, capped at 4096 as the engine's max_model_len, raised to ``min_length`` (a
     perplexity context the caller will score) up to the model's positions); ``batch_size``: requests
     the engine runs concurrently; ``kv_cache_mib``: the KV pool (default: 512 MiB on the CPU, by free

@@ -10,11 +10,11 @@ from foundation.kv_dtype_mix import SEPARATOR, KvDtypeMix
 # plan.json's, else the activation dtype)
 KV_CACHE_DTYPES: dict[str, str | None] = {
     "auto": None, "fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "fp8_e4m3", "int8": "int8",
-    "int4": "int4", "k4v2": "k4v2", "int2": "int2",
+    "int4": "int4", "k4v2": "k4v2", "k3v2": "k3v2", "int2": "int2",
 }
 KV_CACHE_DTYPE_HELP = ("KV cache dtype: auto (the checkpoint's kv_cache_scheme, else its KV plan's, else the "
-                       "activation dtype), fp32/bf16/fp16, fp8 or int8 (per token and head), int4, k4v2 (4-bit "
-                       "keys, 2-bit values) or int2 (keys per channel over 64-token blocks, 2-bit keys before RoPE, "
+                       "activation dtype), fp32/bf16/fp16, fp8 or int8 (per token and head), int4, k4v2 or k3v2 "
+                       "(4- or 3-bit keys, 2-bit values) or int2 (keys per channel over 64-token blocks, 2-bit keys before RoPE, "
                        "values per token; the block being "
                        f"filled stays exact); FULL{SEPARATOR}WINDOWED, e.g. int8{SEPARATOR}int2, stores full-attention "
                        "KV in the first and sliding layers' and streaming heads' KV in the second")

@@ -90,6 +90,7 @@ def variant_configs(base: dict, window: int = 512, full_every: int = 6, short_wi
         "INT8 KV": ({**base}, "int8"),
         "INT4 KV": ({**base}, "int4"),
         "K4V2 KV (4-bit keys, 2-bit values)": ({**base}, "k4v2"),
+        "K3V2 KV (3-bit keys, 2-bit values)": ({**base}, "k3v2"),
         "INT2 KV": ({**base}, "int2"),
         "combined (MQA + share 2 + hybrid + FP8)": ({**base, **combined}, "fp8_e4m3"),
         "MQA + INT4": ({**base, **mqa}, "int4"),

@@ -1,14 +1,17 @@
-"""K and V at 4 or 2 bits, KIVI-style: asymmetric codes, keys per channel, values per token.
+"""K and V at 4, 3 or 2 bits, KIVI-style: asymmetric codes, keys per channel, values per token.
 
-``int4`` and ``int2`` store keys and values at the same width; ``k4v2`` stores keys at 4 bits and
-values at 2 (KIVI's finding: keys carry the outlier channels that retrieval reads, values average
-their error out over the attended tokens). Each rule below applies to the part at its width.
+``int4`` and ``int2`` store keys and values at the same width; ``k4v2`` and ``k3v2`` store keys at
+4 or 3 bits and values at 2 (KIVI's finding: keys carry the outlier channels that retrieval reads,
+values average their error out over the attended tokens). Each rule below applies to the part at
+its width.
 
 Keys have outlier *channels* (a few head_dim coordinates large for every token), so a key block
 is quantized per channel over the block's tokens: ``scale, minimum [blocks, kv_heads, head_dim]``.
 Values have no such structure and are quantized per token and head: ``scale, minimum [..., kv_heads]``.
 A code ``c`` in ``[0, 2**bits - 1]`` stands for ``minimum + c * scale``; scales and minima are
-fp16. Codes are packed along head_dim, ``8 // bits`` to a byte (low bits first).
+fp16. Codes are packed along head_dim, ``8 // bits`` to a byte (low bits first); 3-bit codes in two
+planes, their low 2 bits as 2-bit codes (``D / 4`` bytes) then their high bit as 1-bit codes
+(``D / 8`` bytes), so every byte holds whole codes of one width.
 
 At 2 bits a key channel's range is also *clipped*: one large key in a channel's 64 tokens would
 stretch its four levels over the rest. Ranges ``KEY_RANGE_SHRINKS`` of ``[min, max]`` about its centre
@@ -45,7 +48,7 @@ class PackedBits:
 
 
 LOW_BIT_KV: dict[str, PackedBits] = {  # KV dtype name -> its code widths
-    "int4": PackedBits(4, 4), "int2": PackedBits(2, 2), "k4v2": PackedBits(4, 2),
+    "int4": PackedBits(4, 4), "int2": PackedBits(2, 2), "k4v2": PackedBits(4, 2), "k3v2": PackedBits(3, 2),
 }
 PARAM_DTYPE = torch.float16
 PARAM_BYTES = 2
@@ -83,6 +86,8 @@ def packed_dim(head_dim: int, bits: int) -> int:
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 codes ``[..., D]`` (each < 2**bits) -> ``[..., D * bits / 8]`` uint8."""
+    if bits == 3:
+        return torch.cat([pack(codes & 3, 2), pack(codes >> 2, 1)], dim=-1)
     per = 8 // bits
     c = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per, per).to(torch.uint8)
     out = c[..., 0]
@@ -93,6 +98,9 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """``[..., D * bits / 8]`` uint8 -> uint8 codes ``[..., D]``."""
+    if bits == 3:
+        low = packed.shape[-1] * 2 // 3  # the 2-bit plane's bytes
+        return unpack(packed[..., :low], 2) | (unpack(packed[..., low:], 1) << 2)
     per, mask = 8 // bits, (1 << bits) - 1
     parts = [(packed >> (bits * j)) & mask for j in range(per)]
     return torch.stack(parts, dim=-1).flatten(-2)

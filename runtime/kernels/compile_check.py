@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 from foundation.errors import KvslimError
 from runtime.cache.low_bit_kv import KEYS_BEFORE_ROPE_BITS, LOW_BIT_KV
-from runtime.kernels.packed_kv_store import clip_steps, quantize_num_warps
+from runtime.kernels.packed_kv_store import clip_steps, key_tile_width, quantize_num_warps
 from runtime.kernels.packed_paged_attention import key_tile
 from runtime.kernels.paged_attention import attention_num_warps
 
@@ -150,7 +150,8 @@ def _packed_variants() -> list[KernelVariant]:
     out = [KernelVariant("packed store bf16 residual", "residual_store_kernel", store_mod,
                          {"k_ptr": "*bf16", "v_ptr": "*bf16", "k_residual_ptr": "*bf16", "v_residual_ptr": "*bf16",
                           "slot_of_ptr": "*i64", "slot_ptr": "*i64"}, dict(BLOCK_H=8, BLOCK_D=128), True)]
-    for kv, residual, d, quick in (("int4", "bf16", 128, True), ("int2", "fp16", 64, True), ("k4v2", "bf16", 64, True)):
+    for kv, residual, d, quick in (("int4", "bf16", 128, True), ("int2", "fp16", 64, True), ("k4v2", "bf16", 64, True),
+                                       ("k3v2", "bf16", 128, True)):
         bits = LOW_BIT_KV[kv]
         out.append(KernelVariant(
             f"quantize {kv} blocks {residual} d{d}", "quantize_blocks_kernel", store_mod,
@@ -159,7 +160,7 @@ def _packed_variants() -> list[KernelVariant]:
              "first_ptr": "*i1",
              "k_codes_ptr": "*u8", "v_codes_ptr": "*u8", "k_scale_ptr": "*fp16", "k_min_ptr": "*fp16",
              "v_scale_ptr": "*fp16", "v_min_ptr": "*fp16"},
-            dict(KEY_BITS=bits.keys, VALUE_BITS=bits.values, BLOCK_S=64, BLOCK_P=d * bits.keys // 8,
+            dict(KEY_BITS=bits.keys, VALUE_BITS=bits.values, BLOCK_S=64, BLOCK_P=key_tile_width(bits.keys, d),
                  BLOCK_VP=d * bits.values // 8, MIN_SCALE_=1e-6, CLIP_STEPS=clip_steps(bits.keys)), quick,
             num_warps=quantize_num_warps(64, d)))
     cases = [  # (name, q, residual, KV dtype, D, QPK, decode, splits, block size, window, softcap, fresh, quick)
@@ -173,6 +174,8 @@ def _packed_variants() -> list[KernelVariant]:
         ("int2 kv/block 8 decode split d128 gqa4", "bf16", "bf16", "int2", 128, 4, True, 4, 8, False, False, True, False),
         ("k4v2 kv decode d64 gqa3", "bf16", "bf16", "k4v2", 64, 3, True, 1, 64, False, False, True, True),
         ("k4v2 kv/block 8 prefill d128 gqa4", "bf16", "bf16", "k4v2", 128, 4, False, 1, 8, False, False, True, True),
+        ("k3v2 kv decode d64 gqa3", "bf16", "bf16", "k3v2", 64, 3, True, 1, 64, False, False, True, True),
+        ("k3v2 kv/block 8 decode split d128 gqa4", "bf16", "bf16", "k3v2", 128, 4, True, 4, 8, False, False, True, True),
     ]
     for name, qd, rd, kv, d, qpk, decode, splits, block_size, window, softcap, fresh, quick in cases:
         bits = LOW_BIT_KV[kv]

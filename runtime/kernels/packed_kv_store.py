@@ -12,11 +12,12 @@ path. The data moves on the device:
   ``scale = fp16(max((hi - lo) / levels, 1e-6))``, ``minimum = fp16(lo)``, and codes
   ``round_half_even((x - minimum) / scale)`` clamped to ``[0, levels]`` from those fp16
   parameters (IEEE division, so the codes are the torch path's bit for bit), packed ``8 // bits``
-  to a byte along head_dim, low bits first (keys at ``KEY_BITS``, values at ``VALUE_BITS``); with ``CLIP_STEPS`` a key channel's range is the one
-  of least squared error among ``1 - i / 16`` of it about its centre, i <= CLIP_STEPS
-  (``low_bit_kv.KEY_RANGE_SHRINKS``; the same fp32 candidates and errors, though a GPU may fuse the
-  error's multiply-add and so break a near-tie between two ranges the other way), except in the
-  blocks ``first`` marks (a sequence's first);
+  to a byte along head_dim, low bits first (keys at ``KEY_BITS``, values at ``VALUE_BITS``; 3-bit
+  keys in a 2-bit plane and a 1-bit plane after it, ``low_bit_kv.pack``); with ``CLIP_STEPS`` a
+  key channel's range is the one of least squared error among ``1 - i / 16`` of it about its
+  centre, i <= CLIP_STEPS (``low_bit_kv.KEY_RANGE_SHRINKS``; the same fp32 candidates and errors,
+  though a GPU may fuse the error's multiply-add and so break a near-tie between two ranges the
+  other way), except in the blocks ``first`` marks (a sequence's first);
 - ``residual_store_kernel``: the K/V rows ``[kvh, D]`` of each token left open into its block's
   residual slot ``slot_of[slot // block_size]`` at offset ``slot % block_size`` (in the residual
   dtype); the other tokens' slots are passed as -1.
@@ -109,8 +110,9 @@ def quantize_blocks_kernel(
     ``full_slot[i]`` (the slot the block held before this step's write; none where negative).
     Byte p of a packed row holds channels ``p * PER + j``, j < PER, so each pass j reads one
     ``[BLOCK_S, BLOCK_P]`` tile of channels and ORs its codes in at bit ``j * BITS`` (keys'
-    ``BLOCK_P`` bytes a row, values' ``BLOCK_VP``, ``bytes_per_row`` and ``value_bytes_per_row``)."""
-    PER: tl.constexpr = 8 // KEY_BITS
+    ``BLOCK_P`` bytes a row, values' ``BLOCK_VP``, ``bytes_per_row`` and ``value_bytes_per_row``;
+    3-bit keys: tiles of their 2-bit plane, ``bytes_per_row`` its bytes, the high plane after it)."""
+    PER: tl.constexpr = 4 if KEY_BITS == 3 else 8 // KEY_BITS  # 3-bit: its 2-bit plane's channels a byte
     LEVELS: tl.constexpr = (1 << KEY_BITS) - 1
     VPER: tl.constexpr = 8 // VALUE_BITS
     VLEVELS: tl.constexpr = (1 << VALUE_BITS) - 1
@@ -137,6 +139,7 @@ def quantize_blocks_kernel(
 
     # Keys: one range per channel over the block's tokens.
     packed = tl.zeros((BLOCK_S, BLOCK_P), dtype=tl.int32)
+    high = tl.zeros((BLOCK_S, BLOCK_P), dtype=tl.int32)  # 3-bit: the high bits, at their plane's bit
     for j in tl.static_range(PER):
         d = offs_p * PER + j
         x = _rows(k_ptr, k_residual_ptr, k_rows, old_rows, from_new, from_old, d)
@@ -155,8 +158,18 @@ def quantize_blocks_kernel(
                 scale, lo, err = tl.where(better, s_i, scale), tl.where(better, lo_i, lo), tl.where(better, e_i, err)
         tl.store(k_scale_ptr + blk * stride_kpb + head * stride_kph + d, scale, mask=p_ok)
         tl.store(k_min_ptr + blk * stride_kpb + head * stride_kph + d, lo, mask=p_ok)
-        packed = packed | (_codes(x, scale[None, :], lo[None, :], LEVELS) << (j * KEY_BITS))
+        c = _codes(x, scale[None, :], lo[None, :], LEVELS)
+        if KEY_BITS == 3:
+            packed = packed | ((c & 3) << (j * 2))
+            high = high | ((c >> 2) << (j + 4 * (offs_p % 2))[None, :])
+        else:
+            packed = packed | (c << (j * KEY_BITS))
     tl.store(k_codes_ptr + packed_at, packed.to(tl.uint8), mask=ok)
+    if KEY_BITS == 3:  # the high plane after the low one: byte q holds channels 8q..8q+7, from tile bytes 2q, 2q+1
+        high = tl.sum(tl.reshape(high, (BLOCK_S, BLOCK_P // 2, 2)), axis=2)
+        offs_q = tl.arange(0, BLOCK_P // 2)
+        high_at = blk * stride_cb + offs_s[:, None] * stride_cs + head * stride_ch + bytes_per_row + offs_q[None, :]
+        tl.store(k_codes_ptr + high_at, high.to(tl.uint8), mask=s_ok[:, None] & (offs_q < bytes_per_row // 2)[None, :])
 
     # Values: one range per token over head_dim, in tiles of their own width.
     offs_vp = tl.arange(0, BLOCK_VP)
@@ -220,6 +233,11 @@ def clip_steps(key_bits: int) -> int:
     return len(KEY_RANGE_SHRINKS) - 1 if key_bits in CLIPPED_KEY_BITS else 0
 
 
+def key_tile_width(key_bits: int, head_dim: int) -> int:
+    """Bytes of a packed key row that ``quantize_blocks_kernel``'s key tiles span (3-bit: its 2-bit plane)."""
+    return packed_dim(head_dim, 2 if key_bits == 3 else key_bits)
+
+
 def quantize_num_warps(block_size: int, head_dim: int) -> int:
     """Warps for one (block, head) of ``quantize_blocks_kernel``: about 16 elements per thread per
     channel tile (fewer warps spill registers at block 64, head_dim 128)."""
@@ -237,6 +255,7 @@ def store_packed_kv(k: torch.Tensor, v: torch.Tensor, cache: PackedLayerCache, s
     T, kvh, d = k.shape
     res, codes, vc = cache.k_residual, cache.k_codes, cache.v_codes
     bs = res.shape[1]
+    key_tile_bytes = key_tile_width(cache.bits.keys, d)
 
     def quantize(plan: WritePlan) -> None:
         ks, vs = cache.k_scale, cache.v_scale
@@ -249,14 +268,14 @@ def store_packed_kv(k: torch.Tensor, v: torch.Tensor, cache: PackedLayerCache, s
             k_residual_ptr=res, v_residual_ptr=cache.v_residual, full_slot_ptr=plan.full_slots,
             stride_rb=res.stride(0), stride_rs=res.stride(1), stride_rh=res.stride(2),
             # the packed codes and their parameters
-            k_codes_ptr=codes, v_codes_ptr=vc, bytes_per_row=codes.shape[-1], value_bytes_per_row=vc.shape[-1],
+            k_codes_ptr=codes, v_codes_ptr=vc, bytes_per_row=key_tile_bytes, value_bytes_per_row=vc.shape[-1],
             stride_cb=codes.stride(0), stride_cs=codes.stride(1), stride_ch=codes.stride(2),
             stride_vcb=vc.stride(0), stride_vcs=vc.stride(1), stride_vch=vc.stride(2),
             k_scale_ptr=ks, k_min_ptr=cache.k_min, stride_kpb=ks.stride(0), stride_kph=ks.stride(1),
             v_scale_ptr=vs, v_min_ptr=cache.v_min, stride_vpb=vs.stride(0), stride_vps=vs.stride(1),
             # bits and tile shapes
             KEY_BITS=cache.bits.keys, VALUE_BITS=cache.bits.values, BLOCK_S=triton.next_power_of_2(bs),
-            BLOCK_P=triton.next_power_of_2(codes.shape[-1]), BLOCK_VP=triton.next_power_of_2(vc.shape[-1]),
+            BLOCK_P=triton.next_power_of_2(key_tile_bytes), BLOCK_VP=triton.next_power_of_2(vc.shape[-1]),
             MIN_SCALE_=MIN_SCALE, CLIP_STEPS=clip_steps(cache.bits.keys), num_warps=quantize_num_warps(bs, d),
         )
 

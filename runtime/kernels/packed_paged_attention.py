@@ -8,9 +8,11 @@ q_len``) comes exact from the step's own ``k``/``v``; an earlier one from its bl
 rows when the block is open (``slot_of[block] >= 0``), else from its packed codes, unpacked and
 dequantized in registers as ``minimum + code * scale`` (keys with the block's per-channel
 parameters, values with their per-token ones; keys' codes ``KEY_BITS`` wide, values'
-``VALUE_BITS``), in fp32. A layer that stores keys before RoPE (``ROPE``; 2-bit keys) has each cached key rotated at its position after dequantization, in fp32: the
-tile's channels and their rotate-half partners (channel ``(d + D/2) % D``, the same bit offset of
-byte ``(p + D/2/per) % (D/per)``) are both dequantized, and ``k cos +- k_partner sin`` taken.
+``VALUE_BITS``; 3-bit codes looked up per channel in their two planes), in fp32. A layer that
+stores keys before RoPE (``ROPE``; 2-bit keys) has each cached key rotated at its position after
+dequantization, in fp32: the tile's channels and their rotate-half partners (channel
+``(d + D/2) % D``, the same bit offset of byte ``(p + D/2/per) % (D/per)``) are both dequantized,
+and ``k cos +- k_partner sin`` taken.
 Where key tiles lie in one block, the loop reads codes only and the open blocks come after it.
 """
 from __future__ import annotations
@@ -49,22 +51,37 @@ def _unpack(packed, BITS: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexp
 
 
 @triton.jit
+def _code_tile(codes_ptr, rows, offs_p, offs_d, rows_ok, p_ok, d_ok, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """fp32 codes ``[BLOCK_N, BLOCK_D]`` of channels ``offs_d`` (packed in bytes ``offs_p``) of the
+    rows at offsets ``rows`` (0 where not ``rows_ok``). 3 bits: each channel's two bits from the
+    low plane's byte ``d // 4`` and its high bit from byte ``D / 4 + d // 8``, looked up per channel."""
+    if BITS == 3:
+        mask = rows_ok[:, None] & d_ok[None, :]
+        low = tl.load(codes_ptr + rows[:, None] + (offs_d // 4)[None, :], mask=mask, other=0).to(tl.int32)
+        high = tl.load(codes_ptr + rows[:, None] + (HEAD_DIM // 4 + offs_d // 8)[None, :], mask=mask, other=0).to(tl.int32)
+        codes = ((low >> ((offs_d % 4) * 2)[None, :]) & 3) | (((high >> (offs_d % 8)[None, :]) & 1) << 2)
+        return codes.to(tl.float32)
+    packed = tl.load(codes_ptr + rows[:, None] + offs_p[None, :], mask=rows_ok[:, None] & p_ok[None, :], other=0)
+    return _unpack(packed, BITS, BLOCK_N, BLOCK_D)
+
+
+@triton.jit
 def _tile_rows(codes_ptr, residual_ptr, code_rows, res_rows, offs_p, offs_d, closed, opened, p_ok, d_ok,
-               BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+               BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
     """fp32 codes of the closed rows and residual values of the open rows of a
     ``[BLOCK_N, BLOCK_D]`` tile (0 elsewhere); ``*_rows``: per-row offsets."""
-    packed = tl.load(codes_ptr + code_rows[:, None] + offs_p[None, :], mask=closed[:, None] & p_ok[None, :], other=0)
     residual = tl.load(residual_ptr + res_rows[:, None] + offs_d[None, :], mask=opened[:, None] & d_ok[None, :], other=0.0)
-    return _unpack(packed, BITS, BLOCK_N, BLOCK_D), residual.to(tl.float32)
+    codes = _code_tile(codes_ptr, code_rows, offs_p, offs_d, closed, p_ok, d_ok, BITS, BLOCK_N, BLOCK_D, HEAD_DIM)
+    return codes, residual.to(tl.float32)
 
 
 @triton.jit
 def _closed_keys(k_codes_ptr, k_scale_ptr, k_min_ptr, code_base, par_base, offs_p, offs_d, cached, p_ok, d_ok,
-                 BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                 BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
     """fp32 keys ``[BLOCK_N, BLOCK_D]`` of a tile inside one closed block, channels ``offs_d``
     (their bytes ``offs_p``), from the block's codes and per-channel parameters."""
-    codes = tl.load(k_codes_ptr + code_base[:, None] + offs_p[None, :], mask=cached[:, None] & p_ok[None, :], other=0)
-    return (_unpack(codes, BITS, BLOCK_N, BLOCK_D)
+    return (_code_tile(k_codes_ptr, code_base, offs_p, offs_d, cached, p_ok, d_ok, BITS, BLOCK_N, BLOCK_D, HEAD_DIM)
             * tl.load(k_scale_ptr + par_base + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
             + tl.load(k_min_ptr + par_base + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :])
 
@@ -72,11 +89,11 @@ def _closed_keys(k_codes_ptr, k_scale_ptr, k_min_ptr, code_base, par_base, offs_
 @triton.jit
 def _any_block_keys(k_codes_ptr, k_residual_ptr, k_scale_ptr, k_min_ptr, code_rows, res_rows, par_rows, offs_p,
                     offs_d, closed, opened, p_ok, d_ok, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
+                    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
     """fp32 keys ``[BLOCK_N, BLOCK_D]``, channels ``offs_d``, of rows each looked up in its own
     block: residual rows where open, dequantized codes where closed."""
     kc, kr = _tile_rows(k_codes_ptr, k_residual_ptr, code_rows, res_rows, offs_p, offs_d, closed, opened,
-                        p_ok, d_ok, BITS, BLOCK_N, BLOCK_D)
+                        p_ok, d_ok, BITS, BLOCK_N, BLOCK_D, HEAD_DIM)
     k_par = par_rows[:, None] + offs_d[None, :]
     k_mask = closed[:, None] & d_ok[None, :]
     k = kc * tl.load(k_scale_ptr + k_par, mask=k_mask, other=0.0).to(tl.float32) \
@@ -149,6 +166,7 @@ def packed_paged_attention_kernel(
     split_lo, split_hi = _split_range(ctx, q_len, q_block, split, window, BLOCK_Q, BLOCK_N, NUM_SPLITS, USE_WINDOW,
                                       TILE_IN_BLOCK)
 
+    # bytes of a packed row that tiles unpack whole (3-bit codes are looked up per channel instead)
     BLOCK_P: tl.constexpr = BLOCK_D // (8 // KEY_BITS)  # key bytes a row
     offs_p = tl.arange(0, BLOCK_P)
     p_ok = offs_p < HEAD_DIM // (8 // KEY_BITS)
@@ -180,15 +198,15 @@ def packed_paged_attention_kernel(
             code_base = blk * stride_cb + off * stride_cs + kvh * stride_ch
             par_base = blk * stride_kpb + kvh * stride_kph
             k = _closed_keys(k_codes_ptr, k_scale_ptr, k_min_ptr, code_base, par_base, offs_p, offs_d, closed,
-                             p_ok, d_ok, KEY_BITS, BLOCK_N, BLOCK_D)
+                             p_ok, d_ok, KEY_BITS, BLOCK_N, BLOCK_D, HEAD_DIM)
             if ROPE:
                 kp = _closed_keys(k_codes_ptr, k_scale_ptr, k_min_ptr, code_base, par_base, offs_pr, offs_dr,
-                                  closed, p_ok, d_ok, KEY_BITS, BLOCK_N, BLOCK_D)
+                                  closed, p_ok, d_ok, KEY_BITS, BLOCK_N, BLOCK_D, HEAD_DIM)
                 k = _rotate_keys(k, kp, offs_j, offs_d, d_ok, inv_freq_ptr, rope_scaling, HALF)
             v_par = blk * stride_vpb + off * stride_vps + kvh
             v_code_base = blk * stride_vcb + off * stride_vcs + kvh * stride_vch
-            v = (_unpack(tl.load(v_codes_ptr + v_code_base[:, None] + offs_vp[None, :],
-                                 mask=closed[:, None] & vp_ok[None, :], other=0), VALUE_BITS, BLOCK_N, BLOCK_D)
+            v = (_code_tile(v_codes_ptr, v_code_base, offs_vp, offs_d, closed, vp_ok, d_ok, VALUE_BITS, BLOCK_N,
+                            BLOCK_D, HEAD_DIM)
                  * tl.load(v_scale_ptr + v_par, mask=closed, other=0.0).to(tl.float32)[:, None]
                  + tl.load(v_min_ptr + v_par, mask=closed, other=0.0).to(tl.float32)[:, None])
         else:
@@ -201,12 +219,12 @@ def packed_paged_attention_kernel(
             res_rows = rslot * stride_rb + off * stride_rs + kvh * stride_rh
             par_rows = blk * stride_kpb + kvh * stride_kph
             vc, vr = _tile_rows(v_codes_ptr, v_residual_ptr, v_code_rows, res_rows, offs_vp, offs_d, closed, opened,
-                                vp_ok, d_ok, VALUE_BITS, BLOCK_N, BLOCK_D)
+                                vp_ok, d_ok, VALUE_BITS, BLOCK_N, BLOCK_D, HEAD_DIM)
             k = _any_block_keys(k_codes_ptr, k_residual_ptr, k_scale_ptr, k_min_ptr, code_rows, res_rows, par_rows,
-                                offs_p, offs_d, closed, opened, p_ok, d_ok, KEY_BITS, BLOCK_N, BLOCK_D)
+                                offs_p, offs_d, closed, opened, p_ok, d_ok, KEY_BITS, BLOCK_N, BLOCK_D, HEAD_DIM)
             if ROPE:
                 kp = _any_block_keys(k_codes_ptr, k_residual_ptr, k_scale_ptr, k_min_ptr, code_rows, res_rows,
-                                     par_rows, offs_pr, offs_dr, closed, opened, p_ok, d_ok, KEY_BITS, BLOCK_N, BLOCK_D)
+                                     par_rows, offs_pr, offs_dr, closed, opened, p_ok, d_ok, KEY_BITS, BLOCK_N, BLOCK_D, HEAD_DIM)
                 k = _rotate_keys(k, kp, offs_j, offs_d, d_ok, inv_freq_ptr, rope_scaling, HALF)
             v_par = blk * stride_vpb + off * stride_vps + kvh
             v = vc * tl.load(v_scale_ptr + v_par, mask=closed, other=0.0).to(tl.float32)[:, None] \

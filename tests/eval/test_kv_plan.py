@@ -83,6 +83,7 @@ def test_convert_takes_a_kv_dtype_mix_and_refuses_a_bad_one(capsys):
 
     assert plan_kv_dtype_arg("int4/int2") == "int4/int2" and plan_kv_dtype_arg("int4/int4") == "int4"
     assert plan_kv_dtype_arg("k4v2") == "k4v2" and plan_kv_dtype_arg("k4v2/int2") == "k4v2/int2"  # when asked
+    assert plan_kv_dtype_arg("k3v2") == "k3v2"
     with pytest.raises(argparse.ArgumentTypeError, match="unknown KV dtype 'int4/fp8'"):
         plan_kv_dtype_arg("int4/fp8")
 

@@ -11,6 +11,7 @@ def test_command_line_names_map_to_the_caches_one_part_at_a_time():
     assert cache_kv_dtype("fp8") == "fp8_e4m3"
     assert cache_kv_dtype("fp8/int2") == "fp8_e4m3/int2"
     assert cache_kv_dtype("k4v2") == "k4v2" and cache_kv_dtype("k4v2/int2") == "k4v2/int2"  # 4-bit keys, 2-bit values
+    assert cache_kv_dtype("k3v2") == "k3v2"
     assert cache_kv_dtype("int4/int4") == "int4"  # a mix of one dtype is that dtype
     assert cache_kv_dtype("bfloat16/int4", {"bfloat16": "bf16", "int4": "int4"}) == "bf16/int4"  # another's aliases
 

@@ -25,11 +25,11 @@ FP16_EPS = 2**-10  # relative rounding of the fp16 minimum
 TIE = 1e-2  # logprob gap under which two greedy choices may swap when batches differ
 # A prefix hit reads its shared blocks quantized where a fresh prefill attends its prompt exact: on
 # a random tiny model (block 8) that moves logprobs by 0.09 on average at int4, 0.31 at int2
-# (k4v2's 2-bit values: int2's bound).
-QUANT_TIE = {"int4": 1e-1, "int2": 1.0, "k4v2": 1.0}
+# (k4v2's and k3v2's 2-bit values: int2's bound).
+QUANT_TIE = {"int4": 1e-1, "int2": 1.0, "k4v2": 1.0, "k3v2": 1.0}
 
 
-@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("bits", [4, 3, 2])  # 3: a 2-bit plane, then a 1-bit one
 def test_pack_round_trips(bits):
     codes = torch.randint(0, 1 << bits, (3, 5, 64), dtype=torch.uint8)
     assert pack(codes, bits).shape == (3, 5, 64 * bits // 8)
@@ -41,7 +41,7 @@ def _bound(x: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tens
 
 
 @settings(max_examples=40, deadline=None)
-@given(bits=st.sampled_from([4, 2]), blocks=st.integers(1, 3), kvh=st.integers(1, 3),
+@given(bits=st.sampled_from([4, 3, 2]), blocks=st.integers(1, 3), kvh=st.integers(1, 3),
        kind=st.sampled_from(["normal", "outlier_channel", "all_equal", "zeros"]), seed=st.integers(0, 2**16))
 def test_round_trip_error_is_half_a_step(bits, blocks, kvh, kind, seed):
     g = torch.Generator().manual_seed(seed)
@@ -96,7 +96,7 @@ def _cache(tiny_llama, kv_dtype: str, block_size: int = 8) -> KVCache:
     return KVCache(KVCacheSpec.from_layout(layout, kv_dtype, block_size), (6,), residual_blocks=2)
 
 
-@pytest.mark.parametrize("kv_dtype", ["int4", "int2", "k4v2"])
+@pytest.mark.parametrize("kv_dtype", ["int4", "int2", "k4v2", "k3v2"])
 def test_open_block_is_exact_until_it_fills(tiny_llama, kv_dtype):
     cache = _cache(tiny_llama, kv_dtype)
     layer = cache.layers[0]
@@ -150,16 +150,17 @@ def test_blocks_filled_within_one_write_need_no_residual_slot(tiny_llama):
 
 def test_bytes_per_token(tiny_llama):
     # SmolLM2's head_dim 64 at block 64: int4 72 B per token and head (3.56x smaller than bf16's
-    # 256), k4v2 56 B (4.57x: 32 B of key codes, 16 of value codes), int2 40 B (6.4x), codes and
-    # parameters included.
-    assert [bytes_per_token_head(64, LOW_BIT_KV[kv], 64) for kv in ("int4", "k4v2", "int2")] == [72, 56, 40]
+    # 256), k4v2 56 B (4.57x: 32 B of key codes, 16 of value codes), k3v2 48 B (5.33x), int2 40 B
+    # (6.4x), codes and parameters included.
+    assert [bytes_per_token_head(64, LOW_BIT_KV[kv], 64) for kv in ("int4", "k4v2", "k3v2", "int2")] == [72, 56, 48, 40]
     cache = _cache(tiny_llama, "int4", block_size=8)
     spec = cache.spec
     per_block = spec.block_bytes(0)
     assert cache.group_nbytes(0) == 6 * per_block + 2 * spec.residual_block_bytes(0, torch.float32)
 
 
-@pytest.mark.parametrize("kv_dtype", ["int4", "int2", "k4v2"])  # int2 and k4v2 also keep each first block exact
+# int2, k4v2 and k3v2 also keep each first block exact
+@pytest.mark.parametrize("kv_dtype", ["int4", "int2", "k4v2", "k3v2"])
 def test_engine_prefix_hits_and_preemption_with_low_bit_kv(tiny_llama, kv_dtype):
     model = load_model(tiny_llama, "float32")
     system = torch.arange(100, 140).tolist()  # 40 shared tokens: 5 full blocks of 8

@@ -69,17 +69,17 @@ def test_static_decode_matches_the_eager_engine(tiny_checkpoints, arch):
 
 
 @pytest.mark.parametrize("kv_dtype,tol", [("fp8_e4m3", 1e-3), ("int8", 1e-3), ("int4", 2e-2), ("int2", 2e-2),
-                                          ("k4v2", 2e-2)])
+                                          ("k4v2", 2e-2), ("k3v2", 2e-2)])
 def test_static_decode_per_kv_dtype(tiny_llama, kv_dtype, tol):
-    """int4/int2/k4v2: blocks of 4 fill and quantize during decode (per-row plans); int2 and k4v2
-    keep each sequence's first block exact. A padded bucket's GEMMs round 1e-7 differently, and a 4-bit code
+    """int4/int2/k4v2/k3v2: blocks of 4 fill and quantize during decode (per-row plans); int2, k4v2
+    and k3v2 keep each sequence's first block exact. A padded bucket's GEMMs round 1e-7 differently, and a 4-bit code
     one level off moves a logprob by up to 1e-2 (without padding the caches are equal, below)."""
     got, ref, engine = run_both(load_model(tiny_llama, "float32"), kv_dtype=kv_dtype, n_prompts=3)
     assert_same_tokens(got, ref, tol=tol)
     assert all(s is None or s.open_blocks == 0 for s in engine.cache.residual_slots)  # every slot given back
 
 
-@pytest.mark.parametrize("kv_dtype", ["int4", "int2", "k4v2"])
+@pytest.mark.parametrize("kv_dtype", ["int4", "int2", "k4v2", "k3v2"])
 def test_packed_cache_equals_the_eager_engines_in_a_full_bucket(tiny_llama, kv_dtype):
     """Four requests fill bucket 4: no padded row, the same GEMMs, so the per-row write plans
     must leave every code, scale and residual row bit for bit where the eager step's plans do."""

@@ -1,4 +1,4 @@
-"""The engine with int4/int2/k4v2 KV through the kernel attention backend gives the torch backend's
+"""The engine with int4/int2/k4v2/k3v2 KV through the kernel attention backend gives the torch backend's
 logits: on CPU the backend runs the kernels' torch references; forced, the Triton kernels (in
 the interpreter)."""
 import pytest
@@ -40,7 +40,7 @@ def assert_same(ours: Engine, theirs: Engine, tol: float) -> None:
     assert all(layer.open_blocks == 0 for group in ours.cache.packed for layer in group)
 
 
-@pytest.mark.parametrize("kv_dtype", ["int4", "int2", "k4v2"])
+@pytest.mark.parametrize("kv_dtype", ["int4", "int2", "k4v2", "k3v2"])
 def test_engine_with_the_triton_backend_gives_the_torch_backends_logits(tmp_path, kv_dtype):
     model = load_model(make_tiny_checkpoint(tmp_path / "llama", "llama", num_hidden_layers=1), "float32")
     ours = Engine(model, EngineConfig(attention_backend="triton", **config(kv_dtype, 8)))
@@ -53,7 +53,7 @@ def test_engine_with_the_triton_backend_gives_the_torch_backends_logits(tmp_path
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the engine keeps its cache on the CPU; this drives the kernels through the interpreter")
 @pytest.mark.parametrize("arch,kv_dtype,block_size", [("llama", "int4", 16), ("gemma3_text", "int2", 8),
-                                                          ("llama", "k4v2", 8)])
+                                                          ("llama", "k4v2", 8), ("llama", "k3v2", 16)])
 def test_engine_through_the_packed_kernels(tmp_path, arch, kv_dtype, block_size):
     """Block 16: key tiles inside one block; block 8: keys looked up one by one. gemma3 adds
     sliding-window layers and one KV head for four query heads."""

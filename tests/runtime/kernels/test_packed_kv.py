@@ -1,4 +1,4 @@
-"""The Triton store and paged attention of packed int4/int2/k4v2 KV against the torch path
+"""The Triton store and paged attention of packed int4/int2/k4v2/k3v2 KV against the torch path
 (``PackedLayerCache.write`` / ``gather`` and ``reference_attention``). On CPU the kernels run in
 the interpreter, in fp32 (fp32 queries and residual)."""
 from dataclasses import replace
@@ -49,7 +49,7 @@ STEPS = [
 ]
 
 
-@pytest.mark.parametrize("bits", [4, 2, "k4v2"])
+@pytest.mark.parametrize("bits", [4, 2, "k4v2", "k3v2"])
 def test_store_matches_the_torch_path(device, bits):
     """One residual slot per sequence: a write takes none for the blocks it fills."""
     ours = packed_layer(bits, block_size=4, num_blocks=8, residual_blocks=2, device=device)
@@ -108,7 +108,7 @@ def per_row(layer, slots: list[int], rows: int, device) -> WritePlan:
                    full_slots=plan.full_slots.to(device))
 
 
-@pytest.mark.parametrize("bits", [4, 2, "k4v2"])
+@pytest.mark.parametrize("bits", [4, 2, "k4v2", "k3v2"])
 def test_per_row_plans_store_as_the_torch_path(device, bits):
     """Fixed launch shapes: every row of the plan launched, two padded rows (slot -1) that fill
     and keep nothing; the kernels (and the torch path, which compacts the plan) match the write
@@ -125,7 +125,7 @@ def test_per_row_plans_store_as_the_torch_path(device, bits):
         assert_same_layer(torch_path, theirs)
 
 
-@pytest.mark.parametrize("bits", [4, 2, "k4v2"])
+@pytest.mark.parametrize("bits", [4, 2, "k4v2", "k3v2"])
 def test_blocks_filled_within_one_write_need_no_residual_slot(device, bits):
     """Two sequences in one write fill four blocks (one open since an earlier write, three whole)
     and leave two open: two residual slots suffice, and every filled block is quantized from
@@ -173,7 +173,7 @@ CASES = [  # (heads, kv heads, head dim, block size, window, softcap, splits)
 ]
 
 
-@pytest.mark.parametrize("bits", [4, 2, "k4v2"])
+@pytest.mark.parametrize("bits", [4, 2, "k4v2", "k3v2"])
 @pytest.mark.parametrize("H,KVH,D,block_size,window,softcap,splits", CASES)
 def test_packed_attention_matches_the_torch_path(device, bits, H, KVH, D, block_size, window, softcap, splits):
     scale_up = block_size // 4 if block_size > 4 else 1
@@ -194,7 +194,7 @@ SINK_CASES = [  # (heads, kv heads, head dim, block size, window, sinks, splits)
 ]
 
 
-@pytest.mark.parametrize("bits", [4, 2, "k4v2"])
+@pytest.mark.parametrize("bits", [4, 2, "k4v2", "k3v2"])
 @pytest.mark.parametrize("H,KVH,D,block_size,window,sinks,splits", SINK_CASES)
 def test_packed_sinks_match_the_torch_path(device, bits, H, KVH, D, block_size, window, sinks, splits):
     scale_up = block_size // 4
@@ -213,7 +213,7 @@ ROPE_CASES = [  # (heads, kv heads, head dim, block size, window, sinks, splits)
 ]
 
 
-@pytest.mark.parametrize("bits", [4, 2, "k4v2"])
+@pytest.mark.parametrize("bits", [4, 2, "k4v2", "k3v2"])
 @pytest.mark.parametrize("H,KVH,D,block_size,window,sinks,splits", ROPE_CASES)
 def test_keys_stored_before_rope_are_rotated_as_the_torch_path(device, bits, H, KVH, D, block_size, window, sinks,
                                                                 splits):
@@ -255,7 +255,8 @@ def open_first_blocks(b) -> None:
         b.cache.v_residual[slot, :n] = b.v[s][:n].to(b.cache.v_residual)
 
 
-@pytest.mark.parametrize("bits,rope", [(4, False), (2, False), (2, True), ("k4v2", False)])
+@pytest.mark.parametrize("bits,rope", [(4, False), (2, False), (2, True), ("k4v2", False),
+                                       ("k3v2", False)])
 @pytest.mark.parametrize("window,sinks,splits", [(None, 0, None), (None, 0, 3), (40, 4, 2)])
 def test_open_first_and_last_blocks_are_read_after_the_loop(device, bits, rope, window, sinks, splits):
     """Whole-block tiles read codes only; block 0 and the last cached block, both open, come from
@@ -298,7 +299,7 @@ def test_an_open_block_a_window_no_longer_reads_is_allowed(device):
 # tiles of one block. A prefill chunk after earlier steps (its first tile straddles first_pos,
 # the block it fills mid-chunk read from codes below first_pos and exact above) and decodes
 # whose write closes their block.
-@pytest.mark.parametrize("bits", [4, 2, "k4v2"])
+@pytest.mark.parametrize("bits", [4, 2, "k4v2", "k3v2"])
 @pytest.mark.parametrize("block_size,splits", [(4, None), (16, None), (16, 2)])
 def test_the_steps_own_rows_are_read_exact(device, bits, block_size, splits):
     m = block_size // 4
@@ -349,7 +350,7 @@ def test_bad_inputs_raise_one_line_errors():
 # ------------------------------------------------------------------ GPU: real sizes, bf16
 @requires_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("bits", [4, 2, "k4v2"])
+@pytest.mark.parametrize("bits", [4, 2, "k4v2", "k3v2"])
 @pytest.mark.parametrize("H,KVH,D,block_size,window", [(9, 3, 64, 64, None), (32, 8, 128, 64, None), (8, 1, 256, 16, 512),
                                                        (8, 2, 128, 8, None)])
 def test_gpu_packed_kv_real_sizes(bits, H, KVH, D, block_size, window):
