@@ -212,14 +212,20 @@ class EvalPlan:
         import transformers
 
         from foundation.kv_dtype_mix import SEPARATOR
-        from runtime.cache.low_bit_kv import CLIPPED_KEY_BITS, EXACT_FIRST_BLOCK_BITS, LOW_BIT_KV, VALUES_ROTATED_BITS
+        from runtime.cache.low_bit_kv import (
+            CLIPPED_KEY_BITS,
+            EXACT_FIRST_BLOCK_BITS,
+            KEYS_BEFORE_ROPE_BITS,
+            LOW_BIT_KV,
+            VALUES_ROTATED_BITS,
+        )
         from runtime.device import CPU, Placement
         from runtime.model.layers.activation_dtype import choose_activation_dtype
 
         placement = Placement.resolve(self.device, self.kernels)
         named_ppl = any(t in PERPLEXITY_TASKS for t in self.tasks)
-        low_bit = [b for part in self.kv_cache_dtype.split(SEPARATOR) if part in LOW_BIT_KV
-                   for b in LOW_BIT_KV[part].widths]
+        packed = [LOW_BIT_KV[part] for part in self.kv_cache_dtype.split(SEPARATOR) if part in LOW_BIT_KV]
+        key_bits, value_bits = {b.keys for b in packed}, {b.values for b in packed}
         return {
             "tasks": sorted(self.tasks),
             "limits": dict(sorted(self.limits.items())),
@@ -230,14 +236,16 @@ class EvalPlan:
             "kvslim_dtype": choose_activation_dtype(self.dtype, device=placement.device).name,  # auto: by the device
             **({"kvslim_placement": f"{placement.device.type}/{placement.kernels}"} if placement != CPU else {}),
             **({"kvslim_kv_cache_dtype": self.kv_cache_dtype} if self.kv_cache_dtype != "auto" else {}),
-            # how int4/int2 KV is stored and read (2: a step's own rows exact, score a block per step;
+            # how packed KV is stored and read (2: a step's own rows exact, score a block per step;
             # 3: a width that also keeps each sequence's first block exact, low_bit_kv.EXACT_FIRST_BLOCK_BITS)
-            **({"kvslim_low_bit_read": 3 if EXACT_FIRST_BLOCK_BITS & set(low_bit) else 2} if low_bit else {}),
+            **({"kvslim_low_bit_read": 3 if EXACT_FIRST_BLOCK_BITS & (key_bits | value_bits) else 2} if packed else {}),
             # key channel ranges clipped to least squared error (low_bit_kv.CLIPPED_KEY_BITS; 2: not
             # in a sequence's first block)
-            **({"kvslim_key_clip": 2} if CLIPPED_KEY_BITS & set(low_bit) else {}),
+            **({"kvslim_key_clip": 2} if CLIPPED_KEY_BITS & key_bits else {}),
+            # keys stored before RoPE (low_bit_kv.KEYS_BEFORE_ROPE_BITS)
+            **({"kvslim_key_basis": "pre-rope"} if KEYS_BEFORE_ROPE_BITS & key_bits else {}),
             # values kept in a rotated basis (low_bit_kv.VALUES_ROTATED_BITS)
-            **({"kvslim_value_basis": "hadamard"} if VALUES_ROTATED_BITS & set(low_bit) else {}),
+            **({"kvslim_value_basis": "hadamard"} if VALUES_ROTATED_BITS & value_bits else {}),
             # how FP8/INT8 KV is read (2: a step's own rows exact, earlier rows as stored; 3: and
             # a scored token its own row exact, as decoded); also under "auto", where a
             # checkpoint's kv_cache_scheme may choose FP8

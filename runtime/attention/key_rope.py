@@ -3,7 +3,7 @@ rotation as the attention backend applies it.
 
 The decoder rotates queries; keys reach the backend *before* rotary, with their layer's
 ``KeyRope``, because the cache layout decides when a key is rotated: most layouts store keys
-rotated (the backend rotates them on write), while int2 KV stores them before RoPE and rotates
+rotated (the backend rotates them on write), while int2 and k3v2 KV store them before RoPE and rotate
 each key read after dequantizing it (KVQuant: a key channel keeps its scale across a block only
 before RoPE mixes channel pairs at every position's own angle).
 """

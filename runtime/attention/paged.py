@@ -11,9 +11,9 @@ written before as stored: FP8/INT8 rows quantized; with int4/int2 earlier blocks
 sequence's open block exact. ``Engine.score`` has FP8/INT8 read a piece's rows as a decode step
 would (``PagedBatch.exact_new_rows`` False): each scored token its own row exact, every other row
 as stored. Keys arrive before rotary (``AttentionParams.key_rope``): rotated here before the write,
-or, in a layout that stores them before RoPE (int2), after it, and every key read rotated at its
-position in fp32. An int2 layer keeps values in a rotated basis (``value_rotation``): they rotate
-on their way in and the layer's output rotates back.
+or, in a layout that stores them before RoPE (int2, k3v2), after it, and every key read rotated at
+its position in fp32. A layer with 2-bit values (int2, k4v2, k3v2) keeps them in a rotated basis
+(``value_rotation``): they rotate on their way in and the layer's output rotates back.
 """
 from __future__ import annotations
 

@@ -386,7 +386,7 @@ class KVCache:
         return isinstance(lc, PackedLayerCache) or lc.k_scale is not None
 
     def keys_before_rope(self, layer: int) -> bool:
-        """Whether ``layer``'s cache stores keys before RoPE (rotated on read; int2)."""
+        """Whether ``layer``'s cache stores keys before RoPE (rotated on read; 2- and 3-bit keys)."""
         lc = self.layers[layer]
         return isinstance(lc, PackedLayerCache) and lc.keys_before_rope
 

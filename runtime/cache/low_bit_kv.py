@@ -54,10 +54,12 @@ PARAM_DTYPE = torch.float16
 PARAM_BYTES = 2
 MIN_SCALE = 1e-6  # an all-equal channel or token gets a tiny scale, never a division by zero
 # Bit widths whose keys are stored before RoPE. Measured on the dev slice (wikipedia:calib, context
-# 2,048): int2 +35% -> +22% perplexity; int4 +0.21% -> +0.17%, less than a rotation per read costs.
-KEYS_BEFORE_ROPE_BITS = frozenset({2})
+# 2,048): int2 +35% -> +22% perplexity; int4 +0.21% -> +0.17%, less than a rotation per read costs;
+# k3v2, served: +1.72% -> +1.20% (its 3-bit keys clipped as well +1.28%, clipped alone +1.30%).
+KEYS_BEFORE_ROPE_BITS = frozenset({2, 3})
 # Bit widths whose sequences keep their first block (the attention sinks) exact while they run, in
-# full-attention groups (where either part is stored at one of them) (``packed_layer``): a bf16 block per sequence and layer, counted in bytes
+# full-attention groups, where either part is stored at one of them (``packed_layer``): a bf16
+# block per sequence and layer, counted in bytes
 # per token. Measured
 # served on the dev slice (wikipedia:calib [32768, 36864), context 2,048): int2 +21.9% -> +11.7%.
 EXACT_FIRST_BLOCK_BITS = frozenset({2})
