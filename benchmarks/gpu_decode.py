@@ -12,8 +12,8 @@ fp32 HF reference; where a side parts from it, the reference's top-2 logit gap t
 
 Part 2, a Llama-3-8B-shaped model (32 layers, 32 heads, 8 KV heads x 128) with random weights:
 ``--kv-seqs`` sequences of ``--kv-context`` random tokens, then 64 new tokens, per KV dtype (bf16,
-fp8, int8, int4, int2) in one fixed KV budget: decode tok/s once every sequence has its first token
-(pure decode steps), and the most ``--kv-context``-token sequences the budget holds, counted by
+fp8, int8, int4, k4v2, k3v2, int2) in one fixed KV budget: decode tok/s once every sequence has its
+first token (pure decode steps), and the most ``--kv-context``-token sequences the budget holds, counted by
 allocating blocks in the engine's real pool.
 
     python benchmarks/gpu_decode.py --json benchmarks/results/gpu_decode.json
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--agree-tokens", type=int, default=32)
-    ap.add_argument("--kv-dtypes", nargs="*", default=["bf16", "fp8_e4m3", "int8", "int4", "int2"])
+    ap.add_argument("--kv-dtypes", nargs="*", default=["bf16", "fp8_e4m3", "int8", "int4", "k4v2", "k3v2", "int2"])
     ap.add_argument("--kv-layers", type=int, default=32)
     ap.add_argument("--kv-seqs", type=int, default=32)
     ap.add_argument("--kv-context", type=int, default=4096)

@@ -407,7 +407,7 @@ def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase
                   calibration, dev_text, original_ret, min_retrieval if prompts else None, prompt_text)
 
 
-def _bits(dtype: str) -> int:
+def _bits(dtype: str) -> float:
     return {"int2": 2, "k3v2": 2.5, "k4v2": 3, "int4": 4, "int8": 8}.get(dtype, 16)  # keys' and values' mean
 
 

@@ -77,8 +77,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                       help="plan the fewest KV bytes whose dev perplexity stays within P of the original's (0.1 = +10%%)")
     p.add_argument("--kv-dtypes", nargs="+", default=None, metavar="D", type=plan_kv_dtype_arg,
                    help="with --kv-budget / --max-ppl-increase: the KV dtypes the plan may choose, each bf16, int8, "
-                        "int4, k4v2 or k3v2 (4- or 3-bit keys, 2-bit values), int2 or FULL/WINDOWED such as int4/int2 (full-attention KV in the first, sliding "
-                        "layers' and streaming heads' in the second) (default: bf16 int8 int4 int2)")
+                        "int4, k4v2 or k3v2 (4- or 3-bit keys, 2-bit values), int2 or FULL/WINDOWED such as "
+                        "int4/int2 (full-attention KV in the first, sliding layers' and streaming heads' in the "
+                        "second) (default: bf16 int8 int4 int2)")
     p.add_argument("--min-retrieval", type=float, default=None, metavar="P",
                    help="with --kv-budget / --max-ppl-increase: keep retrieval of a fact stated once (calibration "
                         "passkey and needle prompts at --ctx, served) within P of the original's accuracy at every "

@@ -11,8 +11,9 @@ Layout per layer slot (shared with ``runtime/kernels``):
   (``float8_e4m3fn`` / ``int8`` for quantized KV);
 - quantized KV adds ``k_scale``, ``v_scale``: ``[num_blocks, block_size, num_kv_heads]`` fp32
   (dynamic, per token and head), or 0-dim fp32 per-layer scalars from the checkpoint;
-- ``int4`` / ``int2`` / ``k4v2`` KV is packed instead (``runtime.cache.packed_layer``): codes, per-block key
-  and per-token value parameters, and a few full-precision residual blocks for open blocks.
+- ``int4`` / ``k4v2`` / ``k3v2`` / ``int2`` KV is packed instead (``runtime.cache.packed_layer``):
+  codes, per-block key and per-token value parameters, and a few full-precision residual blocks
+  for open blocks.
 A token at logical position ``p`` of a sequence lives in slot
 ``block_table[p // block_size] * block_size + p % block_size``.
 """
@@ -306,9 +307,8 @@ class KVCache:
             for grp, n in zip(spec.groups, self.num_blocks)
         ]
         # per group whose values are rotated: one basis for its layers
-        rotations = [ValueRotation(grp.head_dim, self.device) if grp.bits and grp.bits.values in VALUES_ROTATED_BITS
-                     else None
-                     for grp in spec.groups]
+        rotations = [ValueRotation(grp.head_dim, self.device)
+                     if grp.bits and grp.bits.values in VALUES_ROTATED_BITS else None for grp in spec.groups]
         self.packed: list[list[PackedLayerCache]] = [
             [PackedLayerCache({k: t[s] for k, t in self.tensors[g].items()}, grp.bits, residual_dtype,
                               grp.exact_first_block, self.residual_slots[g], rotations[g])
