@@ -1,9 +1,9 @@
 """`compress convert MODEL --kv-budget R` (or `--max-ppl-increase P`): the KV layout and dtype
 chosen by measurement, written with the checkpoint as ``plan.json``.
 
-The choices, at context N (default 2,048): the KV dtype (bf16, int8, int4, int2, or when asked a
-mix such as int4/int2: full-attention KV in one, sliding layers' and streaming heads' in the
-other), whether attention slides (a window W of 1,024, 512 or 256 below N, with 4 attention
+The choices, at context N (default 2,048): the KV dtype (bf16, int8, int4, int2, or when asked
+k4v2, k3v2 or a mix such as int4/int2: full-attention KV in one, sliding layers' and streaming
+heads' in the other), whether attention slides (a window W of 1,024, 512 or 256 below N, with 4 attention
 sinks), and which layers, or which KV heads (streaming heads), stay full. Layers are
 ranked by the global-layer calibration ``compress convert --global-select calib`` uses (each
 layer's attention mass beyond W on calibration windows of N tokens, sink keys counted as lost) and

@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from foundation.errors import KvslimError
-from runtime.cache.low_bit_kv import CLIPPED_KEY_BITS, KEY_RANGE_SHRINKS, MIN_SCALE, PARAM_DTYPE, packed_dim
+from runtime.cache import low_bit_kv
+from runtime.cache.low_bit_kv import KEY_RANGE_SHRINKS, MIN_SCALE, PARAM_DTYPE, packed_dim
 from runtime.cache.packed_layer import PackedLayerCache
 from runtime.cache.write_plan import WritePlan
 from runtime.kernels.kv_store import _round_half_even, _store_one
@@ -230,7 +231,8 @@ def _check_store(k, v, cache: PackedLayerCache, slot_mapping) -> None:
 # --------------------------------------------------------------------------- wrapper
 def clip_steps(key_bits: int) -> int:
     """``quantize_blocks_kernel``'s CLIP_STEPS for keys at ``key_bits``: clipped ranges tried beyond the full one."""
-    return len(KEY_RANGE_SHRINKS) - 1 if key_bits in CLIPPED_KEY_BITS else 0
+    # read at call time, as the torch path does, so that a benchmark's patch reaches the kernel too
+    return len(KEY_RANGE_SHRINKS) - 1 if key_bits in low_bit_kv.CLIPPED_KEY_BITS else 0
 
 
 def key_tile_width(key_bits: int, head_dim: int) -> int:

@@ -9,10 +9,10 @@ rows when the block is open (``slot_of[block] >= 0``), else from its packed code
 dequantized in registers as ``minimum + code * scale`` (keys with the block's per-channel
 parameters, values with their per-token ones; keys' codes ``KEY_BITS`` wide, values'
 ``VALUE_BITS``; 3-bit codes looked up per channel in their two planes), in fp32. A layer that
-stores keys before RoPE (``ROPE``; 2-bit keys) has each cached key rotated at its position after
-dequantization, in fp32: the tile's channels and their rotate-half partners (channel
-``(d + D/2) % D``, the same bit offset of byte ``(p + D/2/per) % (D/per)``) are both dequantized,
-and ``k cos +- k_partner sin`` taken.
+stores keys before RoPE (``ROPE``; 2- and 3-bit keys) has each cached key rotated at its position
+after dequantization, in fp32: the tile's channels and their rotate-half partners (channel
+``(d + D/2) % D``, the same bit offset of byte ``(p + D/2/per) % (D/per)``; 3-bit partners looked
+up per channel) are both dequantized, and ``k cos +- k_partner sin`` taken.
 Where key tiles lie in one block, the loop reads codes only and the open blocks come after it.
 """
 from __future__ import annotations
@@ -174,7 +174,7 @@ def packed_paged_attention_kernel(
     offs_vp = tl.arange(0, BLOCK_VP)
     vp_ok = offs_vp < HEAD_DIM // (8 // VALUE_BITS)
     HALF: tl.constexpr = HEAD_DIM // 2
-    if ROPE:  # rotate-half partners: channel (d + D/2) % D, in byte (p + D/2/per) % (D/per)
+    if ROPE:  # rotate-half partners: channel (d + D/2) % D, in byte (p + D/2/per) % (D/per) (3 bits: per channel)
         offs_dr = (offs_d + HALF) % HEAD_DIM
         offs_pr = (offs_p + HALF // (8 // KEY_BITS)) % (HEAD_DIM // (8 // KEY_BITS))
     first_pos = ctx - q_len
@@ -283,10 +283,11 @@ def check_packed_rope(cache: PackedLayerCache, key_rope: KeyRope | None) -> None
     """A key rope the kernel can apply on read to this layer's packed keys (None: keys stored rotated)."""
     d = cache.k_residual.shape[-1]
     bits = cache.bits.keys
-    if key_rope is not None and (len(key_rope.inv_freq) * 2 != d or d % (2 * (8 // bits))):
+    multiple = 8 if bits == 3 else 2 * (8 // bits)  # whole bytes a half (3 bits: whole bytes a plane)
+    if key_rope is not None and (len(key_rope.inv_freq) * 2 != d or d % multiple):
         raise KvslimError(f"a key rope of {len(key_rope.inv_freq)} frequencies cannot rotate {bits}-bit "
                           f"keys of head_dim {d} (needs head_dim / 2 frequencies, head_dim a multiple of "
-                          f"{2 * (8 // bits)})")
+                          f"{multiple})")
 
 
 def check_open_blocks(cache: PackedLayerCache, block_tables: torch.Tensor, context_lens: torch.Tensor,

@@ -256,7 +256,7 @@ def open_first_blocks(b) -> None:
 
 
 @pytest.mark.parametrize("bits,rope", [(4, False), (2, False), (2, True), ("k4v2", False),
-                                       ("k3v2", False)])
+                                       ("k3v2", True)])
 @pytest.mark.parametrize("window,sinks,splits", [(None, 0, None), (None, 0, 3), (40, 4, 2)])
 def test_open_first_and_last_blocks_are_read_after_the_loop(device, bits, rope, window, sinks, splits):
     """Whole-block tiles read codes only; block 0 and the last cached block, both open, come from
