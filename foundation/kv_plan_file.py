@@ -13,7 +13,8 @@ from foundation.errors import CheckpointError, KvslimError
 from foundation.kv_dtype_mix import SEPARATOR, KvDtypeMix
 
 PLAN_FILE = "plan.json"
-PLAN_KV_DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3", "int8", "int4", "k4v2", "k3v2", "int2")  # what plan.json may carry
+# what plan.json may carry
+PLAN_KV_DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3", "int8", "int4", "k4v2", "k3v2", "int2")
 PLANNER_KV_DTYPES = ("bf16", "int8", "int4", "int2")  # what the planner chooses from by default
 PLANNER_KV_CHOICES = (*PLANNER_KV_DTYPES, "k4v2", "k3v2")  # what it may be asked to choose from (--kv-dtypes)
 

@@ -10,7 +10,8 @@ torch path (``Engine.score``: each token only its own row, as a decode step read
 read another layer's KV get the owner's cache tensors, and over a quantized cache the owner's new
 rows of this step. Keys arrive before rotary and are rotated here (torch) before the store, except
 in a layout that stores them before RoPE (int2, k3v2), whose attention kernel rotates each key it
-reads. Values of a layer with 2-bit values (int2, k4v2, k3v2) are rotated into its cache's basis before the store and the output back.
+reads. Values of a layer with 2-bit values (int2, k4v2, k3v2) are rotated into its cache's basis
+before the store and the output back.
 """
 from __future__ import annotations
 

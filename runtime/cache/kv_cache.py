@@ -352,9 +352,10 @@ class KVCache:
     def _allocate_low_bit(self, grp: CacheGroup, shape: tuple[int, ...], device) -> dict[str, torch.Tensor]:
         layers, n, bs, kvh, d = shape
         residual = (layers, self.residual_blocks, bs, kvh, d)
+        k_codes, v_codes = ((layers, n, bs, kvh, packed_dim(d, bits)) for bits in (grp.bits.keys, grp.bits.values))
         return {
-            "k_codes": torch.zeros((layers, n, bs, kvh, packed_dim(d, grp.bits.keys)), dtype=torch.uint8, device=device),
-            "v_codes": torch.zeros((layers, n, bs, kvh, packed_dim(d, grp.bits.values)), dtype=torch.uint8, device=device),
+            "k_codes": torch.zeros(k_codes, dtype=torch.uint8, device=device),
+            "v_codes": torch.zeros(v_codes, dtype=torch.uint8, device=device),
             "k_scale": torch.ones((layers, n, kvh, d), dtype=PARAM_DTYPE, device=device),
             "k_min": torch.zeros((layers, n, kvh, d), dtype=PARAM_DTYPE, device=device),
             "v_scale": torch.ones((layers, n, bs, kvh), dtype=PARAM_DTYPE, device=device),

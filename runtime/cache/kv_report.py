@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--budget-gib", type=float, default=1.0)
     ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--block-size", type=int, default=None, help="tokens per block (default: 16; packed int4/k4v2/k3v2/int2: 64)")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="tokens per block (default: 16; packed int4/k4v2/k3v2/int2: 64)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     model_dir = resolve_model(args.model)

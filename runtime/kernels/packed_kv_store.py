@@ -214,7 +214,8 @@ def check_packed_layer(cache: PackedLayerCache) -> None:
                               f"got {t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}")
     pairs = (("k_scale", "k_min"), ("v_scale", "v_min"), ("k_residual", "v_residual"))
     if res.stride(-1) != 1 or any(getattr(cache, a).stride() != getattr(cache, b).stride() for a, b in pairs):
-        raise KvslimError("residual K and V (and each scale and its minimum) must have equal strides, unit on the last dim")
+        raise KvslimError("residual K and V (and each scale and its minimum) must have equal strides, unit on the "
+                          "last dim")
     if cache.slot_of.dtype != torch.int64 or tuple(cache.slot_of.shape) != (n,):
         raise KvslimError(f"slot_of must be int64 [{n}], got {cache.slot_of.dtype} {tuple(cache.slot_of.shape)}")
 

@@ -59,7 +59,8 @@ def _code_tile(codes_ptr, rows, offs_p, offs_d, rows_ok, p_ok, d_ok, BITS: tl.co
     if BITS == 3:
         mask = rows_ok[:, None] & d_ok[None, :]
         low = tl.load(codes_ptr + rows[:, None] + (offs_d // 4)[None, :], mask=mask, other=0).to(tl.int32)
-        high = tl.load(codes_ptr + rows[:, None] + (HEAD_DIM // 4 + offs_d // 8)[None, :], mask=mask, other=0).to(tl.int32)
+        high_at = rows[:, None] + (HEAD_DIM // 4 + offs_d // 8)[None, :]
+        high = tl.load(codes_ptr + high_at, mask=mask, other=0).to(tl.int32)
         codes = ((low >> ((offs_d % 4) * 2)[None, :]) & 3) | (((high >> (offs_d % 8)[None, :]) & 1) << 2)
         return codes.to(tl.float32)
     packed = tl.load(codes_ptr + rows[:, None] + offs_p[None, :], mask=rows_ok[:, None] & p_ok[None, :], other=0)
@@ -135,7 +136,8 @@ def packed_paged_attention_kernel(
     stride_kpb, stride_kph, stride_vpb, stride_vps,
     stride_rb, stride_rs, stride_rh, stride_bt, stride_nt, stride_nh,
     stride_ot, stride_oh, stride_osplit, stride_lt, stride_lsplit,
-    KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, QPK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, QPK: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     TILE_IN_BLOCK: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, FRESH: tl.constexpr,
     USE_SINKS: tl.constexpr = False, ROPE: tl.constexpr = False,
@@ -174,7 +176,7 @@ def packed_paged_attention_kernel(
     offs_vp = tl.arange(0, BLOCK_VP)
     vp_ok = offs_vp < HEAD_DIM // (8 // VALUE_BITS)
     HALF: tl.constexpr = HEAD_DIM // 2
-    if ROPE:  # rotate-half partners: channel (d + D/2) % D, in byte (p + D/2/per) % (D/per) (3 bits: per channel)
+    if ROPE:  # rotate-half partners: channel (d + D/2) % D, in byte (p + D/2/per) % (D/per); 3 bits: by channel
         offs_dr = (offs_d + HALF) % HEAD_DIM
         offs_pr = (offs_p + HALF // (8 // KEY_BITS)) % (HEAD_DIM // (8 // KEY_BITS))
     first_pos = ctx - q_len
@@ -224,7 +226,8 @@ def packed_paged_attention_kernel(
                                 offs_p, offs_d, closed, opened, p_ok, d_ok, KEY_BITS, BLOCK_N, BLOCK_D, HEAD_DIM)
             if ROPE:
                 kp = _any_block_keys(k_codes_ptr, k_residual_ptr, k_scale_ptr, k_min_ptr, code_rows, res_rows,
-                                     par_rows, offs_pr, offs_dr, closed, opened, p_ok, d_ok, KEY_BITS, BLOCK_N, BLOCK_D, HEAD_DIM)
+                                     par_rows, offs_pr, offs_dr, closed, opened, p_ok, d_ok, KEY_BITS, BLOCK_N,
+                                     BLOCK_D, HEAD_DIM)
                 k = _rotate_keys(k, kp, offs_j, offs_d, d_ok, inv_freq_ptr, rope_scaling, HALF)
             v_par = blk * stride_vpb + off * stride_vps + kvh
             v = vc * tl.load(v_scale_ptr + v_par, mask=closed, other=0.0).to(tl.float32)[:, None] \
@@ -395,7 +398,8 @@ def packed_paged_attention(
         out_ptr=target, stride_ot=target.stride(1), stride_oh=target.stride(2), stride_osplit=target.stride(0),
         lse_ptr=plan.lse, stride_lt=stride_lt, stride_lsplit=stride_lsplit,
         # tile shapes
-        KEY_BITS=cache.bits.keys, VALUE_BITS=cache.bits.values, QPK=H // kvh, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
+        KEY_BITS=cache.bits.keys, VALUE_BITS=cache.bits.values, QPK=H // kvh, HEAD_DIM=D,
+        BLOCK_D=triton.next_power_of_2(D),
         BLOCK_M=plan.block_m, BLOCK_Q=plan.block_q, BLOCK_N=block_n, NUM_SPLITS=plan.splits,
         # modes
         TILE_IN_BLOCK=in_block, USE_WINDOW=window is not None, USE_SOFTCAP=softcap is not None,
