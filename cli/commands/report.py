@@ -9,8 +9,10 @@ checkpoint and KV dtype. Accuracy and perplexity come from ``compress eval --bac
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from foundation.errors import KvslimError
+from foundation.model_source import NAMED_MODELS, resolve_model
 from runtime.cache.kv_dtype_choices import KV_CACHE_DTYPES, is_kv_cache_dtype, kv_cache_dtype_arg
 
 DEFAULT_TASKS = ("arc_easy", "hellaswag", "piqa", "ppl_wikipedia", "passkey")
@@ -45,14 +47,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     import torch
 
     from eval.perplexity_task import PERPLEXITY_TASKS
     from eval.report import GIB, ReportSettings, measure, write_report
     from foundation.atomic import atomic_output_dir, check_output_dir
-    from foundation.model_source import resolve_model
 
     tasks = tuple(t for t in args.tasks.split(",") if t)
     if sum(t in PERPLEXITY_TASKS for t in tasks) > 1:
@@ -102,4 +101,9 @@ def _entry(text: str) -> tuple[str, str | None]:
     """``CKPT`` or ``CKPT@KV`` (KV a ``--kv-cache-dtype`` name; any other ``@`` is part of the path)
     -> (checkpoint, its own KV dtype or None)."""
     ckpt, at, kv = text.rpartition("@")
-    return (ckpt, kv) if at and is_kv_cache_dtype(kv) else (text, None)
+    if at and is_kv_cache_dtype(kv):
+        return ckpt, kv
+    if at and not Path(text).exists() and (ckpt in NAMED_MODELS or Path(ckpt).exists()):
+        raise KvslimError(f"{text}: unknown KV cache dtype {kv!r}; choose one of {', '.join(KV_CACHE_DTYPES)}, "
+                          f"or FULL/WINDOWED such as int8/int2")
+    return text, None

@@ -94,8 +94,10 @@ def test_a_checkpoint_at_a_kv_dtype_is_one_row(variants, tmp_path, capsys):
                  *ARGS, "-o", str(out)]) == 0
     rows = json.loads((out / "report.json").read_text())["rows"]
     assert [(r["name"], r["kv_dtype"]) for r in rows] == [("tiny int2", "int2"), ("tiny-mqa", "bf16")]
-    assert main(["report", f"{variants[0]}@int3", *ARGS, "-o", str(tmp_path / "bad")]) == 2  # a path, not found
-    assert "@int3" in capsys.readouterr().err
+    assert main(["report", f"{variants[0]}@int3", *ARGS, "-o", str(tmp_path / "bad")]) == 2
+    assert "@int3: unknown KV cache dtype 'int3'" in capsys.readouterr().err
+    assert main(["report", f"{tmp_path}/absent@int2", *ARGS, "-o", str(tmp_path / "bad")]) == 2
+    assert "absent: no such file or directory" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("extra, message", [
