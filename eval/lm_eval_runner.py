@@ -206,8 +206,10 @@ class EvalPlan:
                 entries.append(PERPLEXITY_TASKS[name])
         return [e.at_context(self.context) if self.context != DEFAULT_CONTEXT else e for e in entries]
 
-    def settings(self) -> dict:
-        """Everything that changes the numbers: part of the results cache key."""
+    def settings(self, auto_kv_dtype: str | None = None) -> dict:
+        """Everything that changes the numbers: part of the results cache key. ``auto_kv_dtype``: what
+        ``kv_cache_dtype`` auto serves the checkpoint with (its plan's choice, ``auto_kv_dtype_of``), so
+        that the packed KV's storage rules are keyed under auto too."""
         import lm_eval
         import transformers
 
@@ -224,7 +226,8 @@ class EvalPlan:
 
         placement = Placement.resolve(self.device, self.kernels)
         named_ppl = any(t in PERPLEXITY_TASKS for t in self.tasks)
-        packed = [LOW_BIT_KV[part] for part in self.kv_cache_dtype.split(SEPARATOR) if part in LOW_BIT_KV]
+        served = auto_kv_dtype if self.kv_cache_dtype == "auto" and auto_kv_dtype else self.kv_cache_dtype
+        packed = [LOW_BIT_KV[part] for part in served.split(SEPARATOR) if part in LOW_BIT_KV]
         key_bits, value_bits = {b.keys for b in packed}, {b.values for b in packed}
         return {
             "tasks": sorted(self.tasks),
@@ -358,6 +361,14 @@ def _cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def auto_kv_dtype_of(ckpt: str | Path, backend: str) -> str | None:
+    """The KV dtype ``--kv-cache-dtype auto`` takes from the checkpoint's ``plan.json`` on the kvslim
+    backend, else None."""
+    from foundation.kv_plan_file import planned_kv_dtype
+
+    return planned_kv_dtype(ckpt) if backend == "kvslim" and Path(ckpt).is_dir() else None
+
+
 def run_eval(ckpt: Path, ckpt_sha256: str, plan: EvalPlan, backend: str = "hf") -> EvalResults:
     """Evaluate ``ckpt`` on ``plan`` with ``backend`` (offline: the hub is switched off)."""
     if backend not in BACKENDS:
@@ -375,7 +386,7 @@ def run_eval(ckpt: Path, ckpt_sha256: str, plan: EvalPlan, backend: str = "hf") 
         checkpoint=str(ckpt),
         checkpoint_sha256=ckpt_sha256,
         backend=backend,
-        settings=plan.settings(),
+        settings=plan.settings(auto_kv_dtype_of(ckpt, backend)),
         scores=ordered,
         seconds=time.perf_counter() - start,
         cpu_seconds=_cpu_seconds() - cpu_start,

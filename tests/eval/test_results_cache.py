@@ -114,3 +114,21 @@ def test_a_reworded_retrieval_task_is_a_new_cache_key(monkeypatch):
     monkeypatch.setitem(retrieval_task.WORDINGS, "needle_calib", reworded)
     after = wordings()
     assert after["needle_calib"] != before["needle_calib"] and after["passkey"] == before["passkey"]
+
+
+def test_auto_keys_the_storage_rules_of_the_dtype_a_plan_chooses(tmp_path):
+    """Under ``--kv-cache-dtype auto`` a checkpoint's plan.json picks the packed dtype: its storage
+    rules are keyed as if it had been named, on the kvslim backend only."""
+    import json
+
+    from eval.lm_eval_runner import EvalPlan, auto_kv_dtype_of
+
+    (tmp_path / "plan.json").write_text(json.dumps({"kv_cache_dtype": "int8/int2"}))
+    plan = EvalPlan.make(["passkey"], None, None, 8)
+    keyed = plan.settings(auto_kv_dtype_of(tmp_path, "kvslim"))
+    named = EvalPlan.make(["passkey"], None, None, 8, kv_cache_dtype="int8/int2").settings()
+    rules = ("kvslim_low_bit_read", "kvslim_key_clip", "kvslim_key_basis", "kvslim_value_basis")
+    assert [keyed.get(r) for r in rules] == [named.get(r) for r in rules] != [None] * 4
+    assert "kvslim_kv_cache_dtype" not in keyed  # the checkpoint's hash already names what auto chose
+    assert auto_kv_dtype_of(tmp_path, "hf") is None and auto_kv_dtype_of(tmp_path / "none", "kvslim") is None
+    assert plan.settings(None) == plan.settings()
