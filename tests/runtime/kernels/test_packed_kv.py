@@ -10,7 +10,7 @@ import torch
 from foundation.errors import KvslimError
 from runtime.attention.backend import reference_attention
 from runtime.attention.key_rope import KeyRope
-from runtime.cache.low_bit_kv import quantize_key_blocks
+from runtime.cache.low_bit_kv import quantize_key_blocks, unpack
 from runtime.cache.write_plan import WritePlan
 from runtime.kernels import packed_kv_store as pks
 from runtime.kernels import packed_paged_attention as ppa
@@ -147,19 +147,24 @@ def test_blocks_filled_within_one_write_need_no_residual_slot(device, bits):
     assert ours.open_blocks == 0 and sorted(ours.slots._free) == [0, 1]
 
 
-@pytest.mark.parametrize("bits", [4, 2])
+# key bits -> (channel values, the codes of the last two): int4 [0, 15] scale 1, 2.5 -> 2, 7.5 -> 8;
+# 3-bit [0, 7] scale 1, 2.5 -> 2, 3.5 -> 4; int2 [0, 7.5] scale 2.5, 0.5 -> 0, 1.5 -> 2
+TIES = {4: ([0.0, 15.0, 2.5, 7.5], (2, 8)), 3: ([0.0, 7.0, 2.5, 3.5], (2, 4)), 2: ([0.0, 7.5, 1.25, 3.75], (0, 2))}
+
+
+@pytest.mark.parametrize("bits", [4, "k3v2", 2])
 def test_exact_rounding_ties_take_the_even_code(device, bits):
-    """A key channel spanning [0, 15] (int4: scale 1) or [0, 7.5] (int2: scale 2.5) puts two
-    values exactly half way between codes."""
+    """A key channel whose range puts two values exactly half way between codes."""
     ours = packed_layer(bits, block_size=4, num_blocks=2, residual_blocks=1, device=device)
     theirs = packed_layer(bits, block_size=4, num_blocks=2, residual_blocks=1)
+    values, ties = TIES[ours.bits.keys]
     k, v, s = rows([0, 1, 2, 3], 0, device=device)
-    k[:, 0, 0] = torch.tensor([0.0, 15.0, 2.5, 7.5] if bits == 4 else [0.0, 7.5, 1.25, 3.75], device=device)
+    k[:, 0, 0] = torch.tensor(values, device=device)
     pks.store_packed_kv(k, v, ours, s)
     pks.reference_store_packed_kv(k.cpu(), v.cpu(), theirs, s.cpu())
     assert_same_layer(ours, theirs)
-    first = int(ours.k_codes[0, 2, 0, 0].item()) & ((1 << bits) - 1), int(ours.k_codes[0, 3, 0, 0].item()) & ((1 << bits) - 1)
-    assert first == ((2, 8) if bits == 4 else (0, 2))  # 2.5 -> 2, 7.5 -> 8; 0.5 -> 0, 1.5 -> 2
+    codes = unpack(ours.k_codes[0].cpu(), ours.bits.keys)
+    assert (int(codes[2, 0, 0]), int(codes[3, 0, 0])) == ties
 
 
 # Decode (q_len 1, its block open), a prefill over several blocks that fills some mid-write, and
@@ -170,6 +175,7 @@ CASES = [  # (heads, kv heads, head dim, block size, window, softcap, splits)
     (4, 1, 16, 4, 5, None, 2),  # MQA, sliding window, split context
     (4, 4, 32, 16, None, 30.0, None),  # MHA, softcap
     (6, 2, 16, 32, 20, None, 3),  # GQA, window, split
+    (4, 2, 24, 16, None, None, None),  # a head_dim that is no power of 2
 ]
 
 
