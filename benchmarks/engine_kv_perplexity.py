@@ -8,6 +8,8 @@ that ``compress quantize --kv-cache-fp8`` writes, calibrated by the same code on
 sequence's first block kept exact (``low_bit_kv.EXACT_FIRST_BLOCK_BITS``, the runtime's default).
 ``k3v2:keys-after-rope`` / ``k3v2:keys-clipped``: 3-bit keys stored after RoPE (not before,
 ``KEYS_BEFORE_ROPE_BITS``), or with their channel ranges clipped as well (``CLIPPED_KEY_BITS``).
+``int4:keys-unrotated`` / ``k4v2:keys-unrotated``: 4-bit keys in the model's basis, not a rotated one
+(``KEYS_ROTATED_BITS``).
 
     python benchmarks/engine_kv_perplexity.py --tokens 4096 --json runs/engine_kv_ppl.json
 """
@@ -38,7 +40,13 @@ def main() -> int:
 
     from foundation.model_source import resolve_model
     from foundation.perplexity import perplexity, tokenize_range
-    from runtime.cache.low_bit_kv import CLIPPED_KEY_BITS, EXACT_FIRST_BLOCK_BITS, KEYS_BEFORE_ROPE_BITS, LOW_BIT_KV
+    from runtime.cache.low_bit_kv import (
+        CLIPPED_KEY_BITS,
+        EXACT_FIRST_BLOCK_BITS,
+        KEYS_BEFORE_ROPE_BITS,
+        KEYS_ROTATED_BITS,
+        LOW_BIT_KV,
+    )
     from runtime.engine.engine import Engine, EngineConfig
     from runtime.model.loader import load_model
 
@@ -60,9 +68,11 @@ def main() -> int:
         key_bits = {LOW_BIT_KV[dtype].keys} if dtype in LOW_BIT_KV else set()
         before_rope = KEYS_BEFORE_ROPE_BITS - key_bits if how == "keys-after-rope" else KEYS_BEFORE_ROPE_BITS
         clipped = CLIPPED_KEY_BITS | key_bits if how == "keys-clipped" else CLIPPED_KEY_BITS
+        rotated = KEYS_ROTATED_BITS - key_bits if how == "keys-unrotated" else KEYS_ROTATED_BITS
         with mock.patch("runtime.cache.kv_cache.EXACT_FIRST_BLOCK_BITS", frozenset(bits)), \
                 mock.patch("runtime.cache.packed_layer.KEYS_BEFORE_ROPE_BITS", before_rope), \
-                mock.patch("runtime.cache.low_bit_kv.CLIPPED_KEY_BITS", clipped):
+                mock.patch("runtime.cache.low_bit_kv.CLIPPED_KEY_BITS", clipped), \
+                mock.patch("runtime.cache.kv_cache.KEYS_ROTATED_BITS", rotated):
             engine = Engine(model, EngineConfig(kv_dtype=dtype, max_num_batched_tokens=args.ctx, max_model_len=args.ctx + 2,
                                                 kv_cache_bytes=max(64, args.ctx // 16) << 20), layer_scales=scales)
             r = perplexity(lambda x: engine.score(x[0])[None], ids, args.text, context=args.ctx, stride=args.ctx // 2)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.cache.value_rotation import randomized_hadamard  # the served int2 values' basis
+from runtime.cache.kv_rotation import randomized_hadamard  # the served int2 values' basis
 
 BLOCK = 64
 LEVEL_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5)

@@ -218,6 +218,7 @@ class EvalPlan:
             CLIPPED_KEY_BITS,
             EXACT_FIRST_BLOCK_BITS,
             KEYS_BEFORE_ROPE_BITS,
+            KEYS_ROTATED_BITS,
             LOW_BIT_KV,
             VALUES_ROTATED_BITS,
         )
@@ -229,6 +230,8 @@ class EvalPlan:
         served = auto_kv_dtype if self.kv_cache_dtype == "auto" and auto_kv_dtype else self.kv_cache_dtype
         packed = [LOW_BIT_KV[part] for part in served.split(SEPARATOR) if part in LOW_BIT_KV]
         key_bits, value_bits = {b.keys for b in packed}, {b.values for b in packed}
+        key_basis = [name for name, rule in (("pre-rope", KEYS_BEFORE_ROPE_BITS), ("hadamard", KEYS_ROTATED_BITS))
+                     if rule & key_bits]
         return {
             "tasks": sorted(self.tasks),
             "limits": dict(sorted(self.limits.items())),
@@ -245,8 +248,9 @@ class EvalPlan:
             # key channel ranges clipped to least squared error (low_bit_kv.CLIPPED_KEY_BITS; 2: not
             # in a sequence's first block)
             **({"kvslim_key_clip": 2} if CLIPPED_KEY_BITS & key_bits else {}),
-            # keys stored before RoPE (low_bit_kv.KEYS_BEFORE_ROPE_BITS)
-            **({"kvslim_key_basis": "pre-rope"} if KEYS_BEFORE_ROPE_BITS & key_bits else {}),
+            # keys stored before RoPE (low_bit_kv.KEYS_BEFORE_ROPE_BITS), or after it in a rotated
+            # basis (KEYS_ROTATED_BITS); a mix may hold both
+            **({"kvslim_key_basis": "+".join(key_basis)} if key_basis else {}),
             # values kept in a rotated basis (low_bit_kv.VALUES_ROTATED_BITS)
             **({"kvslim_value_basis": "hadamard"} if VALUES_ROTATED_BITS & value_bits else {}),
             # how FP8/INT8 KV is read (2: a step's own rows exact, earlier rows as stored; 3: and

@@ -13,7 +13,8 @@ would (``PagedBatch.exact_new_rows`` False): each scored token its own row exact
 as stored. Keys arrive before rotary (``AttentionParams.key_rope``): rotated here before the write,
 or, in a layout that stores them before RoPE (int2, k3v2), after it, and every key read rotated at
 its position in fp32. A layer with 2-bit values (int2, k4v2, k3v2) keeps them in a rotated basis
-(``value_rotation``): they rotate on their way in and the layer's output rotates back.
+(``kv_rotation``): they rotate on their way in and the layer's output rotates back; one with 4-bit
+keys (int4, k4v2) keeps its keys, after RoPE, in a rotated basis and rotates the queries alike.
 """
 from __future__ import annotations
 
@@ -310,8 +311,13 @@ class PagedAttentionBackend:
         rope = self.params[params.kv_source].key_rope  # the keys' rotation is their owner's
         read_rope = rope if self.cache.keys_before_rope(layer_idx) else None  # rotate keys on read
         packed = self.cache.is_packed(layer_idx)
+        key_basis = self.cache.key_rotation(layer_idx)  # keys after RoPE and queries rotated alike
+        if key_basis is not None:
+            q = key_basis.rotate(q)
         if k is not None:
             k_rotated = self._rotary(rope, k)
+            if key_basis is not None:
+                k_rotated = key_basis.rotate(k_rotated)
             plan = self._write_plans[g] if packed else None
             self.cache.write(layer_idx, k if read_rope else k_rotated, v, batch.slot_mapping[g], plan)
             k = k_rotated

@@ -11,7 +11,8 @@ read another layer's KV get the owner's cache tensors, and over a quantized cach
 rows of this step. Keys arrive before rotary and are rotated here (torch) before the store, except
 in a layout that stores them before RoPE (int2, k3v2), whose attention kernel rotates each key it
 reads. Values of a layer with 2-bit values (int2, k4v2, k3v2) are rotated into its cache's basis
-before the store and the output back.
+before the store and the output back; with 4-bit keys (int4, k4v2) the keys after RoPE and the
+queries are rotated into it (``kv_rotation``).
 """
 from __future__ import annotations
 
@@ -126,6 +127,9 @@ class KernelAttentionBackend:
             rotation = lc.value_rotation  # values in the cache's basis, the output back out of it
             if v is not None and rotation is not None:
                 v = rotation.rotate(v)
+            if lc.key_rotation is not None:  # keys after RoPE and queries in the cache's basis
+                q = lc.key_rotation.rotate(q)
+                k_rotated = None if k_rotated is None else lc.key_rotation.rotate(k_rotated)
             if k is not None:
                 self._store_packed(k if read_rope else k_rotated, v, lc, batch.slot_mapping[g],
                                    plan=self._write_plans[g], validate=False)

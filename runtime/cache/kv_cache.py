@@ -29,8 +29,10 @@ from foundation.attention_layout import AttentionLayout
 from foundation.errors import KvslimError
 from foundation.kv_dtype_mix import KvDtypeMix
 from runtime.cache.kv_quant import QUANT_DTYPES
+from runtime.cache.kv_rotation import KvRotation
 from runtime.cache.low_bit_kv import (
     EXACT_FIRST_BLOCK_BITS,
+    KEYS_ROTATED_BITS,
     LOW_BIT_KV,
     PARAM_DTYPE,
     PackedBits,
@@ -41,7 +43,6 @@ from runtime.cache.low_bit_kv import (
 from runtime.cache.packed_layer import PackedLayerCache
 from runtime.cache.paged_rows import gather_blocks, store_rows
 from runtime.cache.residual_slots import ResidualSlots
-from runtime.cache.value_rotation import ValueRotation
 from runtime.cache.write_plan import WritePlan
 
 KV_DTYPES: dict[str, torch.dtype] = {
@@ -306,12 +307,15 @@ class KVCache:
             ResidualSlots(n, residual_blocks, self.device) if grp.bits else None
             for grp, n in zip(spec.groups, self.num_blocks)
         ]
-        # per group whose values are rotated: one basis for its layers
-        rotations = [ValueRotation(grp.head_dim, self.device)
-                     if grp.bits and grp.bits.values in VALUES_ROTATED_BITS else None for grp in spec.groups]
+        # per group whose values or keys are rotated: one basis for its layers
+        rotations = [KvRotation(grp.head_dim, self.device) if grp.bits and (
+            grp.bits.values in VALUES_ROTATED_BITS or grp.bits.keys in KEYS_ROTATED_BITS) else None
+            for grp in spec.groups]
         self.packed: list[list[PackedLayerCache]] = [
             [PackedLayerCache({k: t[s] for k, t in self.tensors[g].items()}, grp.bits, residual_dtype,
-                              grp.exact_first_block, self.residual_slots[g], rotations[g])
+                              grp.exact_first_block, self.residual_slots[g],
+                              rotations[g] if grp.bits.values in VALUES_ROTATED_BITS else None,
+                              rotations[g] if grp.bits.keys in KEYS_ROTATED_BITS else None)
              for s in range(len(grp.layers))] if grp.bits else []
             for g, grp in enumerate(spec.groups)
         ]
@@ -391,10 +395,15 @@ class KVCache:
         lc = self.layers[layer]
         return isinstance(lc, PackedLayerCache) and lc.keys_before_rope
 
-    def value_rotation(self, layer: int) -> ValueRotation | None:
+    def value_rotation(self, layer: int) -> KvRotation | None:
         """The basis ``layer``'s cache keeps values in (2-bit values), or None: values as they are."""
         lc = self.layers[layer]
         return lc.value_rotation if isinstance(lc, PackedLayerCache) else None
+
+    def key_rotation(self, layer: int) -> KvRotation | None:
+        """The basis ``layer``'s cache keeps keys (after RoPE) and reads queries in (4-bit keys), or None."""
+        lc = self.layers[layer]
+        return lc.key_rotation if isinstance(lc, PackedLayerCache) else None
 
     def stores_exactly(self, layer: int, dtype: torch.dtype) -> bool:
         """Whether ``layer``'s cache keeps K/V of ``dtype`` unchanged (no quantization, same dtype)."""

@@ -15,7 +15,8 @@ KV_CACHE_DTYPES: dict[str, str | None] = {
 KV_CACHE_DTYPE_HELP = ("KV cache dtype: auto (the checkpoint's kv_cache_scheme, else its KV plan's, else the "
                        "activation dtype), fp32/bf16/fp16, fp8 or int8 (per token and head), int4, k4v2 or "
                        "k3v2 (4- or 3-bit keys, 2-bit values) or int2 (keys per channel over 64-token blocks, 2- and "
-                       "3-bit keys before RoPE, values per token; the block being filled stays exact); "
+                       "3-bit keys before RoPE, 4-bit keys rotated, values per token; the block being filled "
+                       "stays exact); "
                        f"FULL{SEPARATOR}WINDOWED, e.g. int8{SEPARATOR}int2, stores full-attention "
                        "KV in the first and sliding layers' and streaming heads' KV in the second")
 

@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from foundation.errors import KvslimError
+from runtime.cache.kv_rotation import KvRotation
 from runtime.cache.low_bit_kv import (
     KEYS_BEFORE_ROPE_BITS,
     PackedBits,
@@ -35,7 +36,6 @@ from runtime.cache.low_bit_kv import (
     quantize_value_rows,
 )
 from runtime.cache.residual_slots import ResidualSlots
-from runtime.cache.value_rotation import ValueRotation
 from runtime.cache.write_plan import WritePlan
 
 
@@ -43,10 +43,12 @@ class PackedLayerCache:
     """Views of one layer slot's packed tensors and residual rows, over its group's slot table."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], bits: PackedBits, residual_dtype: torch.dtype,
-                 exact_first_block: bool, slots: ResidualSlots, value_rotation: ValueRotation | None = None):
+                 exact_first_block: bool, slots: ResidualSlots, value_rotation: KvRotation | None = None,
+                 key_rotation: KvRotation | None = None):
         """``slots``: the cache group's slot table, shared by its layers; ``value_rotation``: the
         group's value basis (None: values as they are), which the caller rotates values into and
-        attention outputs out of."""
+        attention outputs out of; ``key_rotation``: its key basis, which the caller rotates keys
+        (after RoPE) and queries into."""
         self.k_codes, self.v_codes = tensors["k_codes"], tensors["v_codes"]
         self.k_scale, self.k_min = tensors["k_scale"], tensors["k_min"]
         self.v_scale, self.v_min = tensors["v_scale"], tensors["v_min"]
@@ -54,6 +56,9 @@ class PackedLayerCache:
         self.bits = bits
         self.keys_before_rope = bits.keys in KEYS_BEFORE_ROPE_BITS  # the caller stores and reads keys unrotated
         self.value_rotation = value_rotation
+        self.key_rotation = key_rotation
+        if key_rotation is not None and self.keys_before_rope:
+            raise KvslimError("keys stored before RoPE cannot also be kept in a rotated basis")
         self.exact_first_block = exact_first_block  # the caller's write plans keep first blocks in their slots
         self.block_size = self.k_codes.shape[1]
         self.residual_dtype = residual_dtype

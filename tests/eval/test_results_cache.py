@@ -132,3 +132,17 @@ def test_auto_keys_the_storage_rules_of_the_dtype_a_plan_chooses(tmp_path):
     assert "kvslim_kv_cache_dtype" not in keyed  # the checkpoint's hash already names what auto chose
     assert auto_kv_dtype_of(tmp_path, "hf") is None and auto_kv_dtype_of(tmp_path / "none", "kvslim") is None
     assert plan.settings(None) == plan.settings()
+
+
+def test_rotated_keys_are_a_new_cache_key():
+    """4-bit keys are stored in a rotated basis: results cached before the change are not reused;
+    int2's pre-RoPE key entry is unchanged."""
+    from eval.lm_eval_runner import EvalPlan
+
+    def basis(kv_cache_dtype: str):
+        plan = EvalPlan.make(["passkey"], None, None, 8, kv_cache_dtype=kv_cache_dtype)
+        return plan.settings().get("kvslim_key_basis")
+
+    assert basis("bf16") is None and basis("int2") == basis("k3v2") == "pre-rope"
+    assert basis("int4") == basis("k4v2") == basis("int8/int4") == "hadamard"
+    assert basis("int4/int2") == "pre-rope+hadamard"

@@ -181,6 +181,38 @@ def test_int2_keys_are_quantized_before_rope_and_rotated_on_read():
     assert not torch.allclose(out, old, atol=1e-3)  # not the layout that quantizes rotated keys
 
 
+def test_int4_keys_are_quantized_after_rope_in_a_rotated_basis_and_queries_rotated_alike():
+    """Two closed blocks hold int4 codes of the keys after RoPE, rotated: a decoded token reads
+    them dequantized in that basis with its query rotated alike (the scores of the model's basis,
+    up to quantization), its own key exact; values as they are."""
+    layout = AttentionLayout.from_config({**CONFIG, "num_hidden_layers": 1, "layer_types": ["full_attention"],
+                                          "kv_source_layers": [0]})
+    bs, KVH, D = 4, 2, 8
+    cache = KVCache(KVCacheSpec.from_layout(layout, "int4", block_size=bs), (4,), residual_blocks=2)
+    basis = cache.key_rotation(0)
+    assert basis is not None and cache.value_rotation(0) is None and not cache.keys_before_rope(0)
+    rope = KeyRope.of(RopeSpec("default", 100.0), D, 512)
+    backend = PagedAttentionBackend(cache, [AttentionParams(0.35, None, 0, None, 0, rope)])
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(9, KVH, D, generator=g), torch.randn(9, KVH, D, generator=g)
+    q = torch.randn(9, 4, D, generator=g)
+    table = [[[0, 1, 2]]]
+    backend.set_batch(PagedBatch.build(bs, [0], [8], table))
+    backend.attend(0, q[:8], k[:8], v[:8])
+    backend.set_batch(PagedBatch.build(bs, [8], [1], table))
+    out = backend.attend(0, q[8:], k[8:], v[8:])
+
+    positions = torch.arange(9)
+    kk = basis.rotate(rope.rotate(k, positions))
+    keys = dequantize_keys(*quantize_key_blocks(kk[:8].view(2, bs, KVH, D), 4), 4, torch.float32).reshape(8, KVH, D)
+    values = dequantize_values(*quantize_value_rows(v[:8], 4), 4, torch.float32)
+    ref = reference_attention(basis.rotate(q[8:]), torch.cat([keys, kk[8:]]), torch.cat([values, v[8:]]),
+                              positions[8:], positions, 0.35)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    exact = reference_attention(q[8:], rope.rotate(k, positions), v, positions[8:], positions, 0.35)
+    torch.testing.assert_close(out, exact, rtol=0, atol=0.1)  # the model's scores, up to int4
+
+
 @pytest.mark.parametrize("exact_first_block", [False, True])
 def test_a_steps_write_plan_marks_each_sequences_first_block(exact_first_block):
     """The first block of a sequence keeps its full key ranges (``WritePlan.first``), whether or

@@ -1,12 +1,15 @@
-"""Values of a 2-bit cache kept in a rotated basis (QuaRot's randomized Hadamard, for V).
+"""The rotated bases a packed cache keeps keys or values in (QuaRot's randomized Hadamard).
 
-A value row is quantized per token over head_dim, so its few large coordinates stretch the row's
-four levels over the rest. An orthonormal rotation spreads every coordinate over all of them.
-Attention is linear in the values (``softmax(qK^T) V R = (softmax(qK^T) V) R``), so it runs in the
-rotated basis: a layer's values are rotated on their way in (the step's exact rows too, so every
-row a read mixes shares the basis) and the attention output is rotated back, per query head. The
-kernels are untouched; a step costs two ``[T, heads, D] x [D, D]`` products per layer.
+Values: a value row is quantized per token over head_dim, so its few large coordinates stretch the
+row's four 2-bit levels over the rest; an orthonormal rotation spreads every coordinate over all of
+them. Attention is linear in the values (``softmax(qK^T) V R = (softmax(qK^T) V) R``), so it runs in
+the rotated basis: a layer's values are rotated on their way in (the step's exact rows too, so every
+row a read mixes shares the basis) and the attention output is rotated back, per query head.
 
+Keys: scores are inner products, ``(q R)(k R)^T = q k^T``, so a layer's keys (after RoPE) and its
+queries are rotated alike and the scores are unchanged, exact rows and quantized ones.
+
+The kernels are untouched; a step costs two ``[T, heads, D] x [D, D]`` products per layer and part.
 The rotation lives only in the running cache (never written to a checkpoint), so its random signs
 need only be the same for a cache's writes and reads.
 """
@@ -33,14 +36,15 @@ def randomized_hadamard(d: int, seed: int = SEED) -> torch.Tensor:
     return (h * signs / math.sqrt(d)).float()
 
 
-class ValueRotation:
-    """A cache group's value basis, shared by its layers: ``rotate`` values in, ``restore`` attention outputs."""
+class KvRotation:
+    """A cache group's basis, shared by its layers: ``rotate`` values (or keys and queries) in,
+    ``restore`` attention outputs over rotated values."""
 
     def __init__(self, head_dim: int, device: torch.device | str) -> None:
         self.matrix = randomized_hadamard(head_dim).to(device)
 
     def rotate(self, v: torch.Tensor) -> torch.Tensor:
-        """Values ``[..., D]`` into the cache's basis (fp32 product, ``v``'s dtype)."""
+        """Values, keys or queries ``[..., D]`` into the cache's basis (fp32 product, ``v``'s dtype)."""
         return (v.float() @ self.matrix).to(v.dtype)
 
     def restore(self, out: torch.Tensor) -> torch.Tensor:
