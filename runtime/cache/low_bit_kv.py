@@ -75,10 +75,10 @@ VALUES_ROTATED_BITS = frozenset({2})
 # Bit widths whose keys (after RoPE) are kept in a rotated basis, queries rotated alike
 # (``kv_rotation``); disjoint from KEYS_BEFORE_ROPE_BITS, which rotate keys by RoPE on read. int4
 # loses calibration retrieval through its keys, not its values (a needle's teacher-forced
-# log-probability, simulated, needle_calib + multikey_calib at depths 0-50%: exact -0.201, int4
-# -0.297, keys alone -0.278, values alone -0.211); rotated keys -0.210 (block 32 -0.282, first
-# block exact -0.227). Chosen as the best calibration retrieval within int4's +1% perplexity target:
-# dev slice, served, +0.16% -> +0.56%.
+# log-probability, simulated by benchmarks/kv_retrieval_logprob.py, needle_calib + multikey_calib at
+# depths 0-50%, 4 prompts each: exact -0.201, int4 -0.297, keys alone -0.278, values alone -0.211);
+# rotated keys -0.210 (32-token key blocks -0.282, first block exact -0.227). Chosen as the best
+# calibration retrieval within int4's +1% perplexity target: dev slice, served, +0.16% -> +0.56%.
 KEYS_ROTATED_BITS = frozenset({4})
 
 
