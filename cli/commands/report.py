@@ -13,7 +13,7 @@ from pathlib import Path
 
 from foundation.errors import KvslimError
 from foundation.model_source import NAMED_MODELS, resolve_model
-from runtime.cache.kv_dtype_choices import KV_CACHE_DTYPES, is_kv_cache_dtype, kv_cache_dtype_arg
+from runtime.cache.kv_dtype_choices import KV_CACHE_DTYPES, cache_kv_dtype, is_kv_cache_dtype, kv_cache_dtype_arg
 
 DEFAULT_TASKS = ("arc_easy", "hellaswag", "piqa", "ppl_wikipedia", "passkey")
 
@@ -104,6 +104,8 @@ def _entry(text: str) -> tuple[str, str | None]:
     if at and is_kv_cache_dtype(kv):
         return ckpt, kv
     if at and not Path(text).exists() and (ckpt in NAMED_MODELS or Path(ckpt).exists()):
-        raise KvslimError(f"{text}: unknown KV cache dtype {kv!r}; choose one of {', '.join(KV_CACHE_DTYPES)}, "
-                          f"or FULL/WINDOWED such as int8/int2")
+        try:
+            cache_kv_dtype(kv)  # raises, naming the choices
+        except KvslimError as e:
+            raise KvslimError(f"{text}: {e}") from None
     return text, None
