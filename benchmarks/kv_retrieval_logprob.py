@@ -6,8 +6,8 @@ appended; the figure is the mean log-probability of the key's tokens, and how ma
 every key token as the argmax. Continuous where hit rates at a few prompts a depth are not. A spec's
 ``"block"`` sets the simulated block (key group and exact open block; default 64).
 
-    python benchmarks/kv_retrieval_logprob.py --tasks needle_calib,multikey_calib --depths 0 25 50 \\
-        '{"bits": 0}' '{"bits": 4}' '{"bits": 4, "k_rot": true}' --json runs/kv_retrieval_logprob.json
+    python benchmarks/kv_retrieval_logprob.py '{"bits": 0}' '{"bits": 4}' '{"bits": 4, "k_rot": true}' \\
+        --tasks needle_calib,multikey_calib --depths 0 25 50 --json runs/kv_retrieval_logprob.json
 """
 from __future__ import annotations
 
