@@ -217,6 +217,7 @@ class EvalPlan:
         from runtime.cache.low_bit_kv import (
             CLIPPED_KEY_BITS,
             EXACT_FIRST_BLOCK_BITS,
+            KEY_RANGE_SHRINKS,
             KEYS_BEFORE_ROPE_BITS,
             KEYS_ROTATED_BITS,
             LOW_BIT_KV,
@@ -245,9 +246,9 @@ class EvalPlan:
             # how packed KV is stored and read (2: a step's own rows exact, score a block per step;
             # 3: a width that also keeps each sequence's first block exact, low_bit_kv.EXACT_FIRST_BLOCK_BITS)
             **({"kvslim_low_bit_read": 3 if EXACT_FIRST_BLOCK_BITS & (key_bits | value_bits) else 2} if packed else {}),
-            # key channel ranges clipped to least squared error (low_bit_kv.CLIPPED_KEY_BITS; 2: not
-            # in a sequence's first block)
-            **({"kvslim_key_clip": 2} if CLIPPED_KEY_BITS & key_bits else {}),
+            # key channel ranges clipped to least squared error (low_bit_kv.CLIPPED_KEY_BITS; never in
+            # a sequence's first block): the narrowest range tried, low_bit_kv.KEY_RANGE_SHRINKS
+            **({"kvslim_key_clip": min(KEY_RANGE_SHRINKS)} if CLIPPED_KEY_BITS & key_bits else {}),
             # keys stored before RoPE (low_bit_kv.KEYS_BEFORE_ROPE_BITS), or after it in a rotated
             # basis (KEYS_ROTATED_BITS); a mix may hold both
             **({"kvslim_key_basis": "+".join(key_basis)} if key_basis else {}),
