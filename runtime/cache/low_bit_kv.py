@@ -69,8 +69,9 @@ EXACT_FIRST_BLOCK_BITS = frozenset({2})
 # served: +11.7% -> +3.85%. Ranges down to 3/4, not 1/2: a narrower range cuts the large key a
 # retrieved fact needs (calibration retrieval, benchmarks/kv_retrieval_logprob.py, needle_calib +
 # multikey_calib at depths 0-50%: mean key log-probability -1.279 -> -1.012, exact -0.201; dev
-# slice served +3.05% -> +3.46%, simulated 15.054 -> 15.007). Rotated keys instead of keys before RoPE lose more (-1.493, or
-# -1.126 down to 3/4); unclipped rotated keys retrieve best (-0.870) at +4.5% dev perplexity.
+# slice served +3.05% -> +3.46%, simulated 15.054 -> 15.007). Keys rotated after RoPE instead of
+# stored before it retrieve worse (-1.493, or -1.126 down to 3/4); rotated and unclipped best
+# (-0.870), at 4.5% higher dev perplexity (simulated).
 KEY_RANGE_SHRINKS = tuple(1 - i / 16 for i in range(5))
 CLIPPED_KEY_BITS = frozenset({2})
 # Bit widths whose values are kept in a rotated basis (``kv_rotation``). On the dev slice,
