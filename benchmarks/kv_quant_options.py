@@ -11,7 +11,7 @@ exact), ``levels: "normal"`` (2-bit codes at mean + std x a normal's Lloyd-Max l
 ``k_clip`` / ``v_clip`` / ``k_outliers`` / ``v_outliers`` (for keys or values alone), ``v_group`` (value groups along head_dim), ``k_bits`` / ``v_bits``,
 ``sym`` (symmetric codes about zero: a scale and no minimum), ``exact_first`` (the first block, which
 holds the attention-sink tokens, kept exact), ``exact_sinks`` N (the first N tokens kept exact and out
-of their block's key ranges).
+of their block's key ranges), ``block`` (tokens per key group and exact open block; default 64).
 It ranks options cheaply; the served figures come from ``engine_kv_perplexity.py``.
 
     python benchmarks/kv_quant_options.py --tokens 4096 --ctx 2048 '{"bits": 2}' '{"bits": 2, "pre_rope": true}'
@@ -94,6 +94,7 @@ class Options:
     def __init__(self, spec: dict, head_dim: int):
         self.spec = spec
         self.bits = int(spec["bits"])
+        self.block = int(spec.get("block", BLOCK))  # key group and exact open block, in tokens
         self.rot = randomized_hadamard(head_dim)
 
     def quantize(self, x: torch.Tensor, dim: int, bits: int, part: str) -> torch.Tensor:
@@ -109,14 +110,14 @@ class Options:
         frac = spec.get(f"{part}_outliers", spec.get("outliers", 0))
         return with_outliers(x, dim, frac, one) if frac else one(x)
 
-    def keys(self, k: torch.Tensor) -> torch.Tensor:  # [B, KVH, T, D], T a multiple of BLOCK
+    def keys(self, k: torch.Tensor) -> torch.Tensor:  # [B, KVH, T, D], T a multiple of the block
         b, h, t, d = k.shape
         rot = self.spec.get("k_rot")
         x = k @ self.rot if rot else k
         n = self.spec.get("exact_sinks", 0)
         if n:  # read exact elsewhere; here they only must not widen block 0's ranges
             x = torch.cat([x[:, :, n:n + 1].expand(-1, -1, n, -1), x[:, :, n:]], dim=2)
-        y = self.quantize(x.reshape(b, h, t // BLOCK, BLOCK, d), 3, self.spec.get("k_bits", self.bits), "k").reshape(b, h, t, d)
+        y = self.quantize(x.reshape(b, h, t // self.block, self.block, d), 3, self.spec.get("k_bits", self.bits), "k").reshape(b, h, t, d)
         return y @ self.rot.T if rot else y
 
     def values(self, v: torch.Tensor) -> torch.Tensor:
@@ -137,7 +138,7 @@ def install(options_ref: list) -> None:
         q, k, v = (proj(hidden_states).view(shape).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
         cos, sin = position_embeddings
         t = k.shape[2]
-        pad = (-t) % BLOCK
+        pad = (-t) % opt.block
 
         def padded(x: torch.Tensor) -> torch.Tensor:
             return torch.nn.functional.pad(x, (0, 0, 0, pad))
@@ -154,9 +155,9 @@ def install(options_ref: list) -> None:
         k, v, kq, vq = (x.repeat_interleave(rep, 1) for x in (k, v, kq, vq))
         pos = torch.arange(t)
         causal = pos[None, :] <= pos[:, None]
-        earlier = (pos[None, :] // BLOCK) < (pos[:, None] // BLOCK)  # key in an earlier block
+        earlier = (pos[None, :] // opt.block) < (pos[:, None] // opt.block)  # key in an earlier block
         if opt.spec.get("exact_first"):
-            earlier &= pos[None, :] >= BLOCK
+            earlier &= pos[None, :] >= opt.block
         earlier &= pos[None, :] >= opt.spec.get("exact_sinks", 0)
         scores = torch.where(earlier, q @ kq.transpose(-1, -2), q @ k.transpose(-1, -2)) * self.scaling
         p = torch.softmax(scores.masked_fill(~causal, float("-inf")).float(), -1)

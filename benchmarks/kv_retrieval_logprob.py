@@ -3,8 +3,7 @@
 Each calibration retrieval prompt (``*_calib`` tasks, never evaluation text) runs once through the
 transformers model with K/V fake-quantized as ``kv_quant_options.py`` stores them, the answer
 appended; the figure is the mean log-probability of the key's tokens, and how many prompts have
-every key token as the argmax. Continuous where hit rates at a few prompts a depth are not. A spec's
-``"block"`` sets the simulated block (key group and exact open block; default 64).
+every key token as the argmax. Continuous where hit rates at a few prompts a depth are not.
 
     python benchmarks/kv_retrieval_logprob.py '{"bits": 0}' '{"bits": 4}' '{"bits": 4, "k_rot": true}' \\
         --tasks needle_calib,multikey_calib --depths 0 25 50 --json runs/kv_retrieval_logprob.json
@@ -46,27 +45,33 @@ def main() -> int:
                for p in RetrievalTask(t, contexts=(args.ctx,), depths=tuple(args.depths), samples=args.samples).prompts(tok)]
     results = {}
     for text in args.options:
-        spec = json.loads(text)
-        kq.BLOCK = spec.get("block", 64)
-        current[0] = kq.Options(spec, model.config.head_dim)
-        start, logprobs, argmax = time.time(), [], 0
-        for p in prompts:
-            context = tok(p.text + " ", return_tensors="pt")["input_ids"]
-            answer = tok(p.answer, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
-            with torch.no_grad():
-                logits = model(torch.cat([context, answer[None]], 1), use_cache=False).logits
-            lp = torch.log_softmax(logits[0, context.shape[1] - 1:-1].float(), -1)
-            logprobs.append(float(lp[torch.arange(len(answer)), answer].mean()))
-            argmax += bool((lp.argmax(-1) == answer).all())
+        current[0] = kq.Options(json.loads(text), model.config.head_dim)
+        start = time.time()
+        scored = [key_logprobs(model, tok, p.text + " ", p.answer) for p in prompts]
+        logprobs = [float(lp.mean()) for lp, _ in scored]
+        argmax = sum(hit for _, hit in scored)
         mean = sum(logprobs) / len(logprobs)
         results[text] = {"mean_key_logprob": mean, "all_key_tokens_argmax": argmax, "prompts": len(prompts),
                          "key_logprobs": logprobs}
         print(f"{mean:8.3f}  argmax {argmax}/{len(prompts)}  {text}  ({time.time() - start:.0f}s)", flush=True)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"tasks": tasks, "depths": args.depths, "samples": args.samples,
-                                         "ctx": args.ctx, "results": results}, indent=2))
+        from foundation.atomic import write_text_atomic
+
+        write_text_atomic(args.json, json.dumps({"tasks": tasks, "depths": args.depths, "samples": args.samples,
+                                                 "ctx": args.ctx, "results": results}, indent=2))
     return 0
+
+
+def key_logprobs(model, tok, context: str, answer: str) -> tuple[torch.Tensor, bool]:
+    """Teacher-forced log-probability of each of ``answer``'s tokens after ``context``, and whether
+    every one of them is the argmax."""
+    from foundation.perplexity import target_logprobs
+
+    ids = tok(context, return_tensors="pt")["input_ids"]
+    key = tok(answer, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+    with torch.no_grad():
+        logits = model(torch.cat([ids, key[None]], 1), use_cache=False).logits[0, ids.shape[1] - 1:-1]
+    return target_logprobs(logits, key), bool((logits.argmax(-1) == key).all())
 
 
 if __name__ == "__main__":

@@ -307,15 +307,11 @@ class KVCache:
             ResidualSlots(n, residual_blocks, self.device) if grp.bits else None
             for grp, n in zip(spec.groups, self.num_blocks)
         ]
-        # per group whose values or keys are rotated: one basis for its layers
-        rotations = [KvRotation(grp.head_dim, self.device) if grp.bits and (
-            grp.bits.values in VALUES_ROTATED_BITS or grp.bits.keys in KEYS_ROTATED_BITS) else None
-            for grp in spec.groups]
+        # per group whose values or keys are rotated: one basis for its layers, (values', keys')
+        rotations = [self._rotations(grp.bits, grp.head_dim) if grp.bits else (None, None) for grp in spec.groups]
         self.packed: list[list[PackedLayerCache]] = [
             [PackedLayerCache({k: t[s] for k, t in self.tensors[g].items()}, grp.bits, residual_dtype,
-                              grp.exact_first_block, self.residual_slots[g],
-                              rotations[g] if grp.bits.values in VALUES_ROTATED_BITS else None,
-                              rotations[g] if grp.bits.keys in KEYS_ROTATED_BITS else None)
+                              grp.exact_first_block, self.residual_slots[g], *rotations[g])
              for s in range(len(grp.layers))] if grp.bits else []
             for g, grp in enumerate(spec.groups)
         ]
@@ -394,6 +390,13 @@ class KVCache:
         """Whether ``layer``'s cache stores keys before RoPE (rotated on read; 2- and 3-bit keys)."""
         lc = self.layers[layer]
         return isinstance(lc, PackedLayerCache) and lc.keys_before_rope
+
+    def _rotations(self, bits: PackedBits, head_dim: int) -> tuple[KvRotation | None, KvRotation | None]:
+        """A packed group's value and key bases (``VALUES_ROTATED_BITS``, ``KEYS_ROTATED_BITS``): one
+        shared basis, or None for a part kept as it is."""
+        values, keys = bits.values in VALUES_ROTATED_BITS, bits.keys in KEYS_ROTATED_BITS
+        basis = KvRotation(head_dim, self.device) if values or keys else None
+        return (basis if values else None), (basis if keys else None)
 
     def value_rotation(self, layer: int) -> KvRotation | None:
         """The basis ``layer``'s cache keeps values in (2-bit values), or None: values as they are."""

@@ -43,9 +43,9 @@ class KvRotation:
     def __init__(self, head_dim: int, device: torch.device | str) -> None:
         self.matrix = randomized_hadamard(head_dim).to(device)
 
-    def rotate(self, v: torch.Tensor) -> torch.Tensor:
-        """Values, keys or queries ``[..., D]`` into the cache's basis (fp32 product, ``v``'s dtype)."""
-        return (v.float() @ self.matrix).to(v.dtype)
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """Values, keys or queries ``[..., D]`` into the cache's basis (fp32 product, ``x``'s dtype)."""
+        return (x.float() @ self.matrix).to(x.dtype)
 
     def restore(self, out: torch.Tensor) -> torch.Tensor:
         """An attention output ``[..., D]`` over rotated values back to the model's basis."""
