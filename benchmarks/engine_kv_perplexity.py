@@ -3,13 +3,8 @@
 Logits come from ``Engine.score``: each window runs through the paged cache, so quantized K/V is
 written and read back exactly as when serving. Weights fp32 (the default model's dequantized GGUF).
 ``fp8_e4m3`` uses per-token-and-head scales; ``fp8_e4m3:calibrated`` the per-layer static scales
-that ``compress quantize --kv-cache-fp8`` writes, calibrated by the same code on ``--calib``.
-``int2:quantized-first-block`` / ``int4:exact-first-block``: int2 without (int4 with) each
-sequence's first block kept exact (``low_bit_kv.EXACT_FIRST_BLOCK_BITS``, the runtime's default).
-``k3v2:keys-after-rope`` / ``k3v2:keys-clipped``: 3-bit keys stored after RoPE (not before,
-``KEYS_BEFORE_ROPE_BITS``), or with their channel ranges clipped as well (``CLIPPED_KEY_BITS``).
-``int4:keys-unrotated`` / ``k4v2:keys-unrotated``: 4-bit keys in the model's basis, not a rotated one
-(``KEYS_ROTATED_BITS``).
+that ``compress quantize --kv-cache-fp8`` writes, calibrated by the same code on ``--calib``. Other
+``DTYPE:HOW`` variants (``int4:keys-unrotated``...): ``served_kv_variant.py``.
 
     python benchmarks/engine_kv_perplexity.py --tokens 4096 --json runs/engine_kv_ppl.json
 """
@@ -18,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -39,14 +33,9 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from foundation.model_source import resolve_model
+    from served_kv_variant import served_kv_variant
+
     from foundation.perplexity import perplexity, tokenize_range
-    from runtime.cache.low_bit_kv import (
-        CLIPPED_KEY_BITS,
-        EXACT_FIRST_BLOCK_BITS,
-        KEYS_BEFORE_ROPE_BITS,
-        KEYS_ROTATED_BITS,
-        LOW_BIT_KV,
-    )
     from runtime.engine.engine import Engine, EngineConfig
     from runtime.model.loader import load_model
 
@@ -60,19 +49,8 @@ def main() -> int:
     model = load_model(path, "float32")
     results = {}
     for kv in args.kv_dtypes:
-        dtype, _, how = kv.partition(":")
-        scales = calibrated_kv_scales(path, args.calib_samples) if how == "calibrated" else None
-        widths = LOW_BIT_KV[dtype].widths if dtype in LOW_BIT_KV else frozenset()
-        bits = {"quantized-first-block": EXACT_FIRST_BLOCK_BITS - widths,
-                "exact-first-block": EXACT_FIRST_BLOCK_BITS | widths}.get(how, EXACT_FIRST_BLOCK_BITS)
-        key_bits = {LOW_BIT_KV[dtype].keys} if dtype in LOW_BIT_KV else set()
-        before_rope = KEYS_BEFORE_ROPE_BITS - key_bits if how == "keys-after-rope" else KEYS_BEFORE_ROPE_BITS
-        clipped = CLIPPED_KEY_BITS | key_bits if how == "keys-clipped" else CLIPPED_KEY_BITS
-        rotated = KEYS_ROTATED_BITS - key_bits if how == "keys-unrotated" else KEYS_ROTATED_BITS
-        with mock.patch("runtime.cache.kv_cache.EXACT_FIRST_BLOCK_BITS", frozenset(bits)), \
-                mock.patch("runtime.cache.packed_layer.KEYS_BEFORE_ROPE_BITS", before_rope), \
-                mock.patch("runtime.cache.low_bit_kv.CLIPPED_KEY_BITS", clipped), \
-                mock.patch("runtime.cache.kv_cache.KEYS_ROTATED_BITS", rotated):
+        scales = calibrated_kv_scales(path, args.calib_samples) if kv.endswith(":calibrated") else None
+        with served_kv_variant(kv) as dtype:
             engine = Engine(model, EngineConfig(kv_dtype=dtype, max_num_batched_tokens=args.ctx, max_model_len=args.ctx + 2,
                                                 kv_cache_bytes=max(64, args.ctx // 16) << 20), layer_scales=scales)
             r = perplexity(lambda x: engine.score(x[0])[None], ids, args.text, context=args.ctx, stride=args.ctx // 2)

@@ -354,7 +354,7 @@ class Engine:
         token its own row exact and every other as stored: ``PagedBatch.exact_new_rows``). Call between
         steps; the sequence's blocks are freed before returning."""
         out: torch.Tensor | None = None  # filled piece by piece: [T, vocab] is the big tensor here
-        for start, logits in self._score_pieces(token_ids, pieces):
+        for start, logits in self.score_pieces(token_ids, pieces):
             if out is None:
                 out = logits.new_empty((len(token_ids), logits.shape[-1]))
             out[start:start + logits.shape[0]] = logits
@@ -367,14 +367,15 @@ class Engine:
 
         ids = torch.as_tensor([int(t) for t in token_ids], dtype=torch.long)
         out = torch.empty(max(0, len(ids) - 1), dtype=torch.float32)
-        for start, logits in self._score_pieces(token_ids, pieces):
+        for start, logits in self.score_pieces(token_ids, pieces):
             end = min(start + logits.shape[0], len(ids) - 1)  # the last position predicts nothing
             if end > start:
                 out[start:end] = target_logprobs(logits[:end - start], ids[start + 1:end + 1].to(logits.device)).cpu()
         return out
 
-    def _score_pieces(self, token_ids: Sequence[int], pieces: Sequence[int] | None):
-        """``(start, fp32 logits [n, vocab])`` of each piece of ``score``'s walk through the cache."""
+    def score_pieces(self, token_ids: Sequence[int], pieces: Sequence[int] | None = None):
+        """Yield ``(start, fp32 logits [n, vocab])`` of each piece of ``score``'s walk through the
+        cache (``score``'s ``pieces``), one piece's logits alive at a time."""
         ids = [int(t) for t in token_ids]
         if not 0 < len(ids) <= self.max_model_len:
             raise KvslimError(f"score needs 1..{self.max_model_len} tokens, got {len(ids)}")

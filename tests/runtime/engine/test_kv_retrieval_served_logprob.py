@@ -1,0 +1,59 @@
+"""``benchmarks/kv_retrieval_served_logprob.py`` and ``served_kv_variant.py``: answer log-probabilities
+walked through the cache as served (prompt in prefill chunks, answer a token at a time), checked
+against the plain log-softmax of ``Engine.score`` over the same pieces."""
+import pytest
+import torch
+
+from runtime.engine.engine import Engine, EngineConfig
+from runtime.model.loader import load_model
+from tests.benchmark_scripts import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def script():
+    return load_benchmark("kv_retrieval_served_logprob")
+
+
+def test_pieces_are_prefill_chunks_then_single_tokens(script):
+    assert script.served_pieces(2500, 3, 1024) == [1024, 1024, 452, 1, 1, 1]
+    assert script.served_pieces(1024, 0, 1024) == [1024]
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int4"])
+def test_answer_logprobs_are_the_scores_of_the_same_walk(script, tiny_llama, kv_dtype):
+    from foundation.perplexity import target_logprobs
+
+    engine = Engine(load_model(tiny_llama, "float32"), EngineConfig(kv_dtype=kv_dtype, block_size=4, max_num_batched_tokens=16,
+                                                                    max_model_len=128, kv_cache_bytes=2 << 20))
+    g = torch.Generator().manual_seed(3)
+    prompt, answer = torch.randint(3, 512, (37,), generator=g).tolist(), torch.randint(3, 512, (5,), generator=g).tolist()
+    lp, hit = script.answer_logprobs(engine, prompt, answer, prefill_chunk=16)
+    logits = engine.score(prompt + answer[:-1], script.served_pieces(37, 4, 16))[36:]
+    torch.testing.assert_close(lp, target_logprobs(logits, torch.tensor(answer)), rtol=0, atol=1e-6)
+    assert hit == bool((logits.argmax(-1) == torch.tensor(answer)).all())
+    greedy = logits[0].argmax().item()  # an answer of the argmax token is a hit
+    assert script.answer_logprobs(engine, prompt, [greedy], prefill_chunk=16)[1]
+
+
+def test_answer_ids_continue_the_prompt(script, tiny_with_tokenizer):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_with_tokenizer)
+    prompt, answer = script.answer_ids(tok, "The pass key is", "48213")
+    assert tok(" 48213", add_special_tokens=False)["input_ids"][-5:] == answer[-5:]
+    assert tok.decode(prompt + answer).endswith("The pass key is 48213")
+
+
+def test_variants_change_what_the_engine_stores(tiny_llama):
+    variant = load_benchmark("served_kv_variant").served_kv_variant
+    model = load_model(tiny_llama, "float32")
+
+    def key_rotation(kv: str):
+        with variant(kv) as dtype:
+            engine = Engine(model, EngineConfig(kv_dtype=dtype, max_model_len=128, kv_cache_bytes=2 << 20))
+        return engine.cache.key_rotation(0)
+
+    assert key_rotation("int4") is not None and key_rotation("int4:keys-unrotated") is None
+    with pytest.raises(SystemExit, match="unknown KV variant 'sideways'"):
+        with variant("int4:sideways"):
+            pass
