@@ -2,9 +2,9 @@
 
 A hit rate at 4 prompts a depth moves in steps of 25 points and flips on a near-tie; the
 log-probability of the answer's tokens does not. Each retrieval prompt runs through the kvslim
-engine with the KV cache really compressed, as `LLM` serves it: the prompt prefilled in chunks of
-``--prefill-chunk`` (its new rows read exact), then the answer (``" " + key``) fed one token at a
-time as decoded. Reported per task and depth: the mean log-probability of the answer's tokens, and
+engine with the KV cache really compressed, as `LLM` serves one request: the prompt prefilled in
+chunks of ``--prefill-chunk`` (each chunk's new rows read exact), then the answer (``" " + key``)
+fed one token at a time as decoded. Reported per task and depth: the mean log-probability of the answer's tokens, and
 how many prompts have every one of them as the argmax (what greedy decoding would answer).
 KV variants the runtime does not default to (``int4:keys-unrotated``...): ``served_kv_variant.py``.
 
@@ -45,13 +45,11 @@ def answer_logprobs(engine, prompt: list[int], answer: list[int], prefill_chunk:
     ids = prompt + answer[:-1]  # the last answer token predicts nothing
     pieces = served_pieces(len(prompt), len(answer) - 1, prefill_chunk)
     lps, hits = [], []
-    for start, logits in engine.score_pieces(ids, pieces):
-        first = max(start, len(prompt) - 1)  # positions that predict an answer token
-        if first < start + logits.shape[0]:
-            rows = logits[first - start:]
-            targets = torch.tensor(answer[first - len(prompt) + 1:first - len(prompt) + 1 + rows.shape[0]])
-            lps.append(target_logprobs(rows, targets.to(rows.device)).cpu())
-            hits.append(bool((rows.argmax(-1).cpu() == targets).all()))
+    # Logits only where a position predicts an answer token: the prompt's last row, then each answer's.
+    for first, rows in engine.score_pieces(ids, pieces, logits_from=len(prompt) - 1, exact_new_rows=True):
+        targets = torch.tensor(answer[first - len(prompt) + 1:first - len(prompt) + 1 + rows.shape[0]])
+        lps.append(target_logprobs(rows, targets.to(rows.device)).cpu())
+        hits.append(bool((rows.argmax(-1).cpu() == targets).all()))
     return torch.cat(lps), all(hits)
 
 

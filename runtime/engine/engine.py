@@ -373,9 +373,12 @@ class Engine:
                 out[start:end] = target_logprobs(logits[:end - start], ids[start + 1:end + 1].to(logits.device)).cpu()
         return out
 
-    def score_pieces(self, token_ids: Sequence[int], pieces: Sequence[int] | None = None):
-        """Yield ``(start, fp32 logits [n, vocab])`` of each piece of ``score``'s walk through the
-        cache (``score``'s ``pieces``), one piece's logits alive at a time."""
+    def score_pieces(self, token_ids: Sequence[int], pieces: Sequence[int] | None = None, logits_from: int = 0,
+                     exact_new_rows: bool = False):
+        """Yield ``(first, fp32 logits [n, vocab])`` of each piece of ``score``'s walk through the
+        cache (``score``'s ``pieces``), one piece's logits alive at a time: rows from position
+        ``first``, none before ``logits_from`` (a piece wholly before it yields none).
+        ``exact_new_rows``: each piece read as a served prefill chunk (``ModelRunner.score_piece``)."""
         ids = [int(t) for t in token_ids]
         if not 0 < len(ids) <= self.max_model_len:
             raise KvslimError(f"score needs 1..{self.max_model_len} tokens, got {len(ids)}")
@@ -393,7 +396,10 @@ class Engine:
                 bm.release_window(sid, start)
                 if not bm.append(sid, start, start + n):
                     raise KvslimError("score: no free KV blocks (the engine is busy)")
-                yield start, self.runner.score_piece(ids[start:start + n], start, bm.block_tables(sid))
+                skip = min(n, max(0, logits_from - start))
+                logits = self.runner.score_piece(ids[start:start + n], start, bm.block_tables(sid), exact_new_rows, skip)
+                if skip < n:
+                    yield start + skip, logits
                 start += n
         finally:
             bm.free(sid)

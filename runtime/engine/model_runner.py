@@ -71,11 +71,14 @@ class ModelRunner:
             return self.graphs.run(input_ids, batch.positions, self.backend)
         return self.model(input_ids, batch.positions, self.backend)
 
-    def score_piece(self, ids: Sequence[int], start: int, tables: Sequence[Sequence[int]]) -> torch.Tensor:
-        """fp32 logits ``[len(ids), vocab]`` of one piece of a sequence scored through the cache
-        (``Engine.score``): tokens ``ids`` at positions from ``start``, its blocks ``tables``."""
-        # FP8/INT8: each token reads its own row exact and its context as stored, as decoded
-        batch = PagedBatch.build(self.block_size, [start], [len(ids)], [tables], self.device, exact_new_rows=False)
+    def score_piece(self, ids: Sequence[int], start: int, tables: Sequence[Sequence[int]],
+                    exact_new_rows: bool = False, skip: int = 0) -> torch.Tensor:
+        """fp32 logits ``[len(ids) - skip, vocab]`` of one piece of a sequence scored through the
+        cache (``Engine.score``): tokens ``ids`` at positions from ``start``, its blocks ``tables``;
+        the first ``skip`` rows get none. ``exact_new_rows``: FP8/INT8 tokens read the piece's new
+        rows exact, as a served prefill does; else each its own row exact and its context as stored,
+        as decoded (packed KV reads an open block exact either way)."""
+        batch = PagedBatch.build(self.block_size, [start], [len(ids)], [tables], self.device, exact_new_rows=exact_new_rows)
         self.backend.set_batch(batch)
         step_ids = torch.tensor(list(ids), dtype=torch.long, device=self.device)
-        return self.model.compute_logits(self.model(step_ids, batch.positions, self.backend))
+        return self.model.compute_logits(self.model(step_ids, batch.positions, self.backend)[skip:])

@@ -19,7 +19,7 @@ def test_pieces_are_prefill_chunks_then_single_tokens(script):
     assert script.served_pieces(1024, 0, 1024) == [1024]
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp32", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8", "int4"])
 def test_answer_logprobs_are_the_scores_of_the_same_walk(script, tiny_llama, kv_dtype):
     from foundation.perplexity import target_logprobs
 
@@ -28,7 +28,8 @@ def test_answer_logprobs_are_the_scores_of_the_same_walk(script, tiny_llama, kv_
     g = torch.Generator().manual_seed(3)
     prompt, answer = torch.randint(3, 512, (37,), generator=g).tolist(), torch.randint(3, 512, (5,), generator=g).tolist()
     lp, hit = script.answer_logprobs(engine, prompt, answer, prefill_chunk=16)
-    logits = engine.score(prompt + answer[:-1], script.served_pieces(37, 4, 16))[36:]
+    walk = engine.score_pieces(prompt + answer[:-1], script.served_pieces(37, 4, 16), exact_new_rows=True)
+    logits = torch.cat([rows for _, rows in walk])[36:]
     torch.testing.assert_close(lp, target_logprobs(logits, torch.tensor(answer)), rtol=0, atol=1e-6)
     assert hit == bool((logits.argmax(-1) == torch.tensor(answer)).all())
     greedy = logits[0].argmax().item()  # an answer of the argmax token is a hit
@@ -57,3 +58,19 @@ def test_variants_change_what_the_engine_stores(tiny_llama):
     with pytest.raises(SystemExit, match="unknown KV variant 'sideways'"):
         with variant("int4:sideways"):
             pass
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
+def test_score_pieces_from_a_position_are_the_scores_rows_from_it(tiny_llama, kv_dtype):
+    """``logits_from`` skips rows, not work: the rows it yields are ``score``'s; ``exact_new_rows``
+    reads an INT8 piece's new rows exact, as a served prefill chunk does, and so differs from ``score``."""
+    engine = Engine(load_model(tiny_llama, "float32"), EngineConfig(kv_dtype=kv_dtype, block_size=4, max_num_batched_tokens=16,
+                                                                    max_model_len=128, kv_cache_bytes=2 << 20))
+    ids = torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    pieces = [16, 16, 8]
+    full = engine.score(ids, pieces)
+    yielded = list(engine.score_pieces(ids, pieces, logits_from=20))
+    assert [first for first, _ in yielded] == [20, 32]
+    torch.testing.assert_close(torch.cat([rows for _, rows in yielded]), full[20:], rtol=0, atol=1e-5)
+    served = torch.cat([rows for _, rows in engine.score_pieces(ids, pieces, exact_new_rows=True)])
+    assert torch.equal(served, full) == (kv_dtype == "fp32")
