@@ -30,11 +30,10 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(2)
 
+    from served_kv_variant import served_kv_variant
     from transformers import AutoTokenizer
 
     from foundation.model_source import resolve_model
-    from served_kv_variant import served_kv_variant
-
     from foundation.perplexity import perplexity, tokenize_range
     from runtime.engine.engine import Engine, EngineConfig
     from runtime.model.loader import load_model

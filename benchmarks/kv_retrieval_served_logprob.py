@@ -4,8 +4,8 @@ A hit rate at 4 prompts a depth moves in steps of 25 points and flips on a near-
 log-probability of the answer's tokens does not. Each retrieval prompt runs through the kvslim
 engine with the KV cache really compressed, as `LLM` serves one request: the prompt prefilled in
 chunks of ``--prefill-chunk`` (each chunk's new rows read exact), then the answer (``" " + key``)
-fed one token at a time as decoded. Reported per task and depth: the mean log-probability of the answer's tokens, and
-how many prompts have every one of them as the argmax (what greedy decoding would answer).
+fed one token at a time as decoded. Reported per task and depth: the mean log-probability of the
+answer's tokens, and how many prompts have every one of them as the argmax (greedy's answer).
 KV variants the runtime does not default to (``int4:keys-unrotated``...): ``served_kv_variant.py``.
 
     python benchmarks/kv_retrieval_served_logprob.py gemma3-270m --kv bf16 int4 int4:keys-unrotated \\
@@ -75,8 +75,7 @@ def main() -> int:
     if unknown := [t for t in tasks if t not in WORDINGS]:
         raise SystemExit(f"unknown retrieval task(s) {', '.join(unknown)}; choose from {', '.join(WORDINGS)}")
     llm = LLM(args.checkpoint)
-    prompts = {t: RetrievalTask(t, contexts=(args.ctx,), depths=tuple(args.depths), samples=args.samples).prompts(llm.tokenizer)
-               for t in tasks}
+    prompts = {t: RetrievalTask(t, (args.ctx,), tuple(args.depths), args.samples).prompts(llm.tokenizer) for t in tasks}
     encoded = {t: [(p.depth, *answer_ids(llm.tokenizer, p.text, p.answer)) for p in ps] for t, ps in prompts.items()}
     longest = max(len(a) + len(b) for rows in encoded.values() for _, a, b in rows)
     results: dict[str, dict] = {}
@@ -90,8 +89,9 @@ def main() -> int:
                 for depth, prompt, answer in rows:
                     lp, hit = answer_logprobs(engine, prompt, answer, args.prefill_chunk)
                     by_depth.setdefault(depth, []).append((float(lp.mean()), hit))
-                per_task[task] = {str(d): {"mean_logprob": sum(x for x, _ in v) / len(v), "argmax": sum(h for _, h in v),
-                                           "logprobs": [x for x, _ in v]} for d, v in by_depth.items()}
+                per_task[task] = {str(d): {"mean_logprob": sum(x for x, _ in v) / len(v),
+                                           "argmax": sum(h for _, h in v), "logprobs": [x for x, _ in v]}
+                                  for d, v in by_depth.items()}
         results[kv] = per_task
         line = "  ".join(f"{t} " + " ".join(f"{r['mean_logprob']:.2f}({r['argmax']})" for r in per_task[t].values())
                          for t in tasks)

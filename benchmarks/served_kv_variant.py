@@ -9,8 +9,8 @@ sequence's first block kept exact (``low_bit_kv.EXACT_FIRST_BLOCK_BITS``, the ru
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Iterator
 from unittest import mock
 
 from runtime.cache.low_bit_kv import (

@@ -9,6 +9,12 @@ from runtime.model.loader import load_model
 from tests.benchmark_scripts import load_benchmark
 
 
+def tiny_engine(path, kv_dtype: str) -> Engine:
+    """16-token prefill chunks over 4-token blocks: pieces that span blocks and blocks that span pieces."""
+    return Engine(load_model(path, "float32"), EngineConfig(kv_dtype=kv_dtype, block_size=4, max_num_batched_tokens=16,
+                                                            max_model_len=128, kv_cache_bytes=2 << 20))
+
+
 @pytest.fixture(scope="module")
 def script():
     return load_benchmark("kv_retrieval_served_logprob")
@@ -23,10 +29,10 @@ def test_pieces_are_prefill_chunks_then_single_tokens(script):
 def test_answer_logprobs_are_the_scores_of_the_same_walk(script, tiny_llama, kv_dtype):
     from foundation.perplexity import target_logprobs
 
-    engine = Engine(load_model(tiny_llama, "float32"), EngineConfig(kv_dtype=kv_dtype, block_size=4, max_num_batched_tokens=16,
-                                                                    max_model_len=128, kv_cache_bytes=2 << 20))
+    engine = tiny_engine(tiny_llama, kv_dtype)
     g = torch.Generator().manual_seed(3)
-    prompt, answer = torch.randint(3, 512, (37,), generator=g).tolist(), torch.randint(3, 512, (5,), generator=g).tolist()
+    prompt = torch.randint(3, 512, (37,), generator=g).tolist()
+    answer = torch.randint(3, 512, (5,), generator=g).tolist()
     lp, hit = script.answer_logprobs(engine, prompt, answer, prefill_chunk=16)
     walk = engine.score_pieces(prompt + answer[:-1], script.served_pieces(37, 4, 16), exact_new_rows=True)
     logits = torch.cat([rows for _, rows in walk])[36:]
@@ -55,17 +61,15 @@ def test_variants_change_what_the_engine_stores(tiny_llama):
         return engine.cache.key_rotation(0)
 
     assert key_rotation("int4") is not None and key_rotation("int4:keys-unrotated") is None
-    with pytest.raises(SystemExit, match="unknown KV variant 'sideways'"):
-        with variant("int4:sideways"):
-            pass
+    with pytest.raises(SystemExit, match="unknown KV variant 'sideways'"), variant("int4:sideways"):
+        pass
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
 def test_score_pieces_from_a_position_are_the_scores_rows_from_it(tiny_llama, kv_dtype):
     """``logits_from`` skips rows, not work: the rows it yields are ``score``'s; ``exact_new_rows``
     reads an INT8 piece's new rows exact, as a served prefill chunk does, and so differs from ``score``."""
-    engine = Engine(load_model(tiny_llama, "float32"), EngineConfig(kv_dtype=kv_dtype, block_size=4, max_num_batched_tokens=16,
-                                                                    max_model_len=128, kv_cache_bytes=2 << 20))
+    engine = tiny_engine(tiny_llama, kv_dtype)
     ids = torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(5)).tolist()
     pieces = [16, 16, 8]
     full = engine.score(ids, pieces)
