@@ -48,8 +48,9 @@ def main() -> int:
     model = load_model(path, "float32")
     results = {}
     for kv in args.kv_dtypes:
-        scales = calibrated_kv_scales(path, args.calib_samples) if kv.endswith(":calibrated") else None
-        with served_kv_variant(kv) as dtype:
+        variant, calibrated = kv.removesuffix(":calibrated"), kv.endswith(":calibrated")
+        scales = calibrated_kv_scales(path, args.calib_samples) if calibrated else None
+        with served_kv_variant(variant) as dtype:
             engine = Engine(model, EngineConfig(kv_dtype=dtype, max_num_batched_tokens=args.ctx, max_model_len=args.ctx + 2,
                                                 kv_cache_bytes=max(64, args.ctx // 16) << 20), layer_scales=scales)
             r = perplexity(lambda x: engine.score(x[0])[None], ids, args.text, context=args.ctx, stride=args.ctx // 2)

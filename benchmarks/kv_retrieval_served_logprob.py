@@ -44,13 +44,10 @@ def answer_logprobs(engine, prompt: list[int], answer: list[int], prefill_chunk:
 
     ids = prompt + answer[:-1]  # the last answer token predicts nothing
     pieces = served_pieces(len(prompt), len(answer) - 1, prefill_chunk)
-    lps, hits = [], []
     # Logits only where a position predicts an answer token: the prompt's last row, then each answer's.
-    for first, rows in engine.score_pieces(ids, pieces, logits_from=len(prompt) - 1, exact_new_rows=True):
-        targets = torch.tensor(answer[first - len(prompt) + 1:first - len(prompt) + 1 + rows.shape[0]])
-        lps.append(target_logprobs(rows, targets.to(rows.device)).cpu())
-        hits.append(bool((rows.argmax(-1).cpu() == targets).all()))
-    return torch.cat(lps), all(hits)
+    rows = torch.cat([r for _, r in engine.score_pieces(ids, pieces, logits_from=len(prompt) - 1, exact_new_rows=True)])
+    targets = torch.tensor(answer, device=rows.device)
+    return target_logprobs(rows, targets).cpu(), bool((rows.argmax(-1) == targets).all())
 
 
 def main() -> int:
@@ -78,6 +75,9 @@ def main() -> int:
     prompts = {t: RetrievalTask(t, (args.ctx,), tuple(args.depths), args.samples).prompts(llm.tokenizer) for t in tasks}
     encoded = {t: [(p.depth, *answer_ids(llm.tokenizer, p.text, p.answer)) for p in ps] for t, ps in prompts.items()}
     longest = max(len(a) + len(b) for rows in encoded.values() for _, a, b in rows)
+    if longest > llm.max_model_len:
+        raise SystemExit(f"--ctx {args.ctx}: prompts and answers of up to {longest} tokens exceed the model's "
+                         f"{llm.max_model_len}")
     results: dict[str, dict] = {}
     for kv in args.kv:
         start = time.time()
@@ -106,4 +106,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from foundation.errors import KvslimError
+
+    try:
+        raise SystemExit(main())
+    except KvslimError as e:  # a bad checkpoint or KV dtype: one line, not a traceback
+        raise SystemExit(f"error: {e}") from None

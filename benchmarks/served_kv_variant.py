@@ -28,7 +28,7 @@ VARIANTS = ("quantized-first-block", "exact-first-block", "keys-after-rope", "ke
 def served_kv_variant(kv: str) -> Iterator[str]:
     """Within the block, engines built store ``kv``'s variant; yields the KV dtype to ask them for."""
     dtype, _, how = kv.partition(":")
-    if how and how not in VARIANTS + ("calibrated",):
+    if how and how not in VARIANTS:
         raise SystemExit(f"unknown KV variant {how!r} of {dtype}: choose one of {', '.join(VARIANTS)}")
     widths = LOW_BIT_KV[dtype].widths if dtype in LOW_BIT_KV else frozenset()
     key_bits = {LOW_BIT_KV[dtype].keys} if dtype in LOW_BIT_KV else set()

@@ -61,8 +61,21 @@ def test_variants_change_what_the_engine_stores(tiny_llama):
         return engine.cache.key_rotation(0)
 
     assert key_rotation("int4") is not None and key_rotation("int4:keys-unrotated") is None
-    with pytest.raises(SystemExit, match="unknown KV variant 'sideways'"), variant("int4:sideways"):
-        pass
+    for bad in ("int4:sideways", "fp8_e4m3:calibrated"):  # calibrated scales: engine_kv_perplexity.py's own
+        with pytest.raises(SystemExit, match=f"unknown KV variant '{bad.partition(':')[2]}'"), variant(bad):
+            pass
+
+
+def test_a_missing_checkpoint_is_one_line():
+    import subprocess
+    import sys
+
+    from tests.benchmark_scripts import BENCHMARKS
+
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "kv_retrieval_served_logprob.py"), "/no/such/ckpt"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines() == [run.stderr.strip()] and run.stderr.startswith("error: /no/such/ckpt")
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
