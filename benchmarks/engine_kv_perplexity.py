@@ -3,8 +3,8 @@
 Logits come from ``Engine.score``: each window runs through the paged cache, so quantized K/V is
 written and read back exactly as when serving. Weights fp32 (the default model's dequantized GGUF).
 ``fp8_e4m3`` uses per-token-and-head scales; ``fp8_e4m3:calibrated`` the per-layer static scales
-that ``compress quantize --kv-cache-fp8`` writes, calibrated by the same code on ``--calib``. Other
-``DTYPE:HOW`` variants (``int4:keys-unrotated``...): ``served_kv_variant.py``.
+that ``compress quantize --kv-cache-fp8`` writes, calibrated by the same code on ``--calib``. Packed
+KV's variants are KV dtype names too (``int4:keys-unrotated``: ``foundation.kv_dtype_mix``).
 
     python benchmarks/engine_kv_perplexity.py --tokens 4096 --json runs/engine_kv_ppl.json
 """
@@ -30,7 +30,6 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(2)
 
-    from served_kv_variant import served_kv_variant
     from transformers import AutoTokenizer
 
     from foundation.model_source import resolve_model
@@ -50,10 +49,9 @@ def main() -> int:
     for kv in args.kv_dtypes:
         variant, calibrated = kv.removesuffix(":calibrated"), kv.endswith(":calibrated")
         scales = calibrated_kv_scales(path, args.calib_samples) if calibrated else None
-        with served_kv_variant(variant) as dtype:
-            engine = Engine(model, EngineConfig(kv_dtype=dtype, max_num_batched_tokens=args.ctx, max_model_len=args.ctx + 2,
-                                                kv_cache_bytes=max(64, args.ctx // 16) << 20), layer_scales=scales)
-            r = perplexity(lambda x: engine.score(x[0])[None], ids, args.text, context=args.ctx, stride=args.ctx // 2)
+        engine = Engine(model, EngineConfig(kv_dtype=variant, max_num_batched_tokens=args.ctx, max_model_len=args.ctx + 2,
+                                            kv_cache_bytes=max(64, args.ctx // 16) << 20), layer_scales=scales)
+        r = perplexity(lambda x, e=engine: e.score(x[0])[None], ids, args.text, context=args.ctx, stride=args.ctx // 2)
         results[kv] = r.perplexity
         print(f"KV {kv:20s}: {r.describe()}", flush=True)
     base = results.get("bf16")

@@ -23,18 +23,16 @@ def main() -> int:
     args = ap.parse_args()
 
     from foundation.perplexity import tokenize_range
-    from runtime.cache import kv_cache, low_bit_kv
     from runtime.engine.engine import Engine
     from runtime.engine.sampling import SamplingParams
     from runtime.llm import LLM
     from runtime.model.layers.activation_dtype import CpuFeatures
 
-    clipped, rotated = low_bit_kv.CLIPPED_KEY_BITS, kv_cache.VALUES_ROTATED_BITS
-    variants = {  # (keys clipped at, values rotated at): the patches that give each
-        "as served (keys clipped, values rotated)": (clipped, rotated),
-        "keys not clipped": (frozenset(), rotated),
-        "values not rotated": (clipped, frozenset()),
-        "neither": (frozenset(), frozenset()),
+    variants = {  # row -> the KV dtype name that serves it
+        "as served (keys clipped, values rotated)": "int2",
+        "keys not clipped": "int2:keys-unclipped",
+        "values not rotated": "int2:values-unrotated",
+        "neither": "int2:keys-unclipped+values-unrotated",
     }
     llm = LLM(args.model, max_model_len=2050)
     ids = tokenize_range(llm.tokenizer, "wikipedia:eval", max_tokens=2 * 2048).tolist()
@@ -43,10 +41,10 @@ def main() -> int:
         "prefill, tokens/s": ([ids[:2047], ids[2048:4095]], 1),
     }
 
-    def run(prompts: list[list[int]], new: int) -> float:
+    def run(prompts: list[list[int]], new: int, kv_dtype: str) -> float:
         """Tokens per second on a fresh engine: prompt tokens for a prefill; for decode, as
         ``compress report`` times it (prompt + ``new`` tokens minus prompt + 1, per token after the first)."""
-        engine = Engine.sized_for(llm.model, 2050, len(prompts), max_num_batched_tokens=1024, kv_dtype="int2",
+        engine = Engine.sized_for(llm.model, 2050, len(prompts), max_num_batched_tokens=1024, kv_dtype=kv_dtype,
                                   enable_prefix_caching=False)
 
         def timed(n: int) -> float:
@@ -60,16 +58,12 @@ def main() -> int:
         return len(prompts) * (new - 1) / (timed(new) - prefill)
 
     best = {(j, v): 0.0 for j in jobs for v in variants}
-    try:
-        for round_ in range(args.rounds + 1):  # round 0 warms
-            for name, (clip_bits, rotate_bits) in variants.items():
-                low_bit_kv.CLIPPED_KEY_BITS, kv_cache.VALUES_ROTATED_BITS = clip_bits, rotate_bits
-                for job, (prompts, new) in jobs.items():
-                    tps = run(prompts, new)
-                    if round_:
-                        best[job, name] = max(best[job, name], tps)
-    finally:
-        low_bit_kv.CLIPPED_KEY_BITS, kv_cache.VALUES_ROTATED_BITS = clipped, rotated
+    for round_ in range(args.rounds + 1):  # round 0 warms
+        for name, kv_dtype in variants.items():
+            for job, (prompts, new) in jobs.items():
+                tps = run(prompts, new, kv_dtype)
+                if round_:
+                    best[job, name] = max(best[job, name], tps)
     cpu_flags = CpuFeatures.detect().describe()
     rows = [{"job": job, "int2": name, "tokens_per_s": tps} for (job, name), tps in best.items()]
     print(f"CPU flags: {cpu_flags}; activations {llm.dtype}")

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -44,7 +43,7 @@ from foundation.calibration import CalibrationSpec, load_tokenizer, token_window
 from foundation.checkpoint import Checkpoint
 from foundation.errors import KvslimError
 from foundation.kv_dtype_mix import SEPARATOR
-from foundation.kv_plan_file import PLAN_FILE, PLANNER_KV_DTYPES
+from foundation.kv_plan_file import PLAN_FILE, PLANNER_KV_DTYPES, write_plan_beside_weights
 from foundation.texts import DEFAULT_CALIB
 
 DEFAULT_PLAN_CTX = 2048
@@ -414,19 +413,10 @@ def _bits(dtype: str) -> float:
 def write_planned_checkpoint(model_dir: str | Path, plan: KvPlan, out: str | Path, force: bool = False) -> Path:
     """The checkpoint with the plan's layout (``compress convert``'s sliding rewrite and sinks) and
     ``plan.json``, written atomically."""
-    from foundation.atomic import atomic_output_dir, check_output_dir
-
     choice = plan.chosen.choice
     if choice.window is not None:
         spec = ConvertSpec(sliding_window=choice.window, global_layers=choice.global_layers, sinks=choice.sinks)
         if choice.streaming is not None:
             spec = ConvertSpec(sliding_window=choice.window, sinks=choice.sinks, streaming_set=choice.streaming)
         return convert(Path(model_dir), spec, Path(out), force=force, extra_files={PLAN_FILE: plan.to_json()}).out
-    ckpt = Checkpoint.open(model_dir)
-    check_output_dir(Path(out), force)
-    with atomic_output_dir(out, force, checked=True) as tmp:  # the weights unchanged, the plan beside them
-        for f in ckpt.path.iterdir():
-            if f.is_file() and f.name != PLAN_FILE:
-                shutil.copy2(f, tmp / f.name)
-        (tmp / PLAN_FILE).write_text(plan.to_json())
-    return Path(out)
+    return write_plan_beside_weights(model_dir, plan.to_json(), out, force)

@@ -213,26 +213,20 @@ class EvalPlan:
         import lm_eval
         import transformers
 
-        from foundation.kv_dtype_mix import SEPARATOR
-        from runtime.cache.low_bit_kv import (
-            CLIPPED_KEY_BITS,
-            EXACT_FIRST_BLOCK_BITS,
-            KEY_RANGE_SHRINKS,
-            KEYS_BEFORE_ROPE_BITS,
-            KEYS_ROTATED_BITS,
-            LOW_BIT_KV,
-            VALUES_ROTATED_BITS,
-        )
+        from foundation.kv_dtype_mix import SEPARATOR, VARIANT_JOIN, VARIANT_MARK
+        from runtime.cache.low_bit_kv import KEY_RANGE_SHRINKS, LOW_BIT_KV
+        from runtime.cache.packed_recipe import PackedRecipe
         from runtime.device import CPU, Placement
         from runtime.model.layers.activation_dtype import choose_activation_dtype
 
         placement = Placement.resolve(self.device, self.kernels)
         named_ppl = any(t in PERPLEXITY_TASKS for t in self.tasks)
         served = auto_kv_dtype if self.kv_cache_dtype == "auto" and auto_kv_dtype else self.kv_cache_dtype
-        packed = [LOW_BIT_KV[part] for part in served.split(SEPARATOR) if part in LOW_BIT_KV]
-        key_bits, value_bits = {b.keys for b in packed}, {b.values for b in packed}
-        key_basis = [name for name, rule in (("pre-rope", KEYS_BEFORE_ROPE_BITS), ("hadamard", KEYS_ROTATED_BITS))
-                     if rule & key_bits]
+        base, _, asked = served.partition(VARIANT_MARK)
+        variants = tuple(asked.split(VARIANT_JOIN)) if asked else ()
+        packed = [PackedRecipe.of(LOW_BIT_KV[part], variants) for part in base.split(SEPARATOR) if part in LOW_BIT_KV]
+        key_basis = [name for name, rule in (("pre-rope", "keys_before_rope"), ("hadamard", "keys_rotated"))
+                     if any(getattr(r, rule) for r in packed)]
         return {
             "tasks": sorted(self.tasks),
             "limits": dict(sorted(self.limits.items())),
@@ -244,16 +238,15 @@ class EvalPlan:
             **({"kvslim_placement": f"{placement.device.type}/{placement.kernels}"} if placement != CPU else {}),
             **({"kvslim_kv_cache_dtype": self.kv_cache_dtype} if self.kv_cache_dtype != "auto" else {}),
             # how packed KV is stored and read (2: a step's own rows exact, score a block per step;
-            # 3: a width that also keeps each sequence's first block exact, low_bit_kv.EXACT_FIRST_BLOCK_BITS)
-            **({"kvslim_low_bit_read": 3 if EXACT_FIRST_BLOCK_BITS & (key_bits | value_bits) else 2} if packed else {}),
-            # key channel ranges clipped to least squared error (low_bit_kv.CLIPPED_KEY_BITS; never in
+            # 3: each sequence's first block also kept exact, PackedRecipe.exact_first_block)
+            **({"kvslim_low_bit_read": 3 if any(r.exact_first_block for r in packed) else 2} if packed else {}),
+            # key channel ranges clipped to least squared error (PackedRecipe.keys_clipped; never in
             # a sequence's first block): the narrowest range tried, low_bit_kv.KEY_RANGE_SHRINKS
-            **({"kvslim_key_clip": min(KEY_RANGE_SHRINKS)} if CLIPPED_KEY_BITS & key_bits else {}),
-            # keys stored before RoPE (low_bit_kv.KEYS_BEFORE_ROPE_BITS), or after it in a rotated
-            # basis (KEYS_ROTATED_BITS); a mix may hold both
+            **({"kvslim_key_clip": min(KEY_RANGE_SHRINKS)} if any(r.keys_clipped for r in packed) else {}),
+            # keys stored before RoPE, or after it in a rotated basis (PackedRecipe); a mix may hold both
             **({"kvslim_key_basis": "+".join(key_basis)} if key_basis else {}),
-            # values kept in a rotated basis (low_bit_kv.VALUES_ROTATED_BITS)
-            **({"kvslim_value_basis": "hadamard"} if VALUES_ROTATED_BITS & value_bits else {}),
+            # values kept in a rotated basis (PackedRecipe.values_rotated)
+            **({"kvslim_value_basis": "hadamard"} if any(r.values_rotated for r in packed) else {}),
             # how FP8/INT8 KV is read (2: a step's own rows exact, earlier rows as stored; 3: and
             # a scored token its own row exact, as decoded); also under "auto", where a
             # checkpoint's kv_cache_scheme may choose FP8

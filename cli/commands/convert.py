@@ -80,13 +80,20 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "int4, k4v2 or k3v2 (4- or 3-bit keys, 2-bit values), int2 or FULL/WINDOWED such as "
                         "int4/int2 (full-attention KV in the first, sliding layers' and streaming heads' in the "
                         "second) (default: bf16 int8 int4 int2)")
+    plan.add_argument("--kv-cache-dtype", metavar="D",
+                      help="serve the checkpoint in KV dtype D by default, weights and layout unchanged (writes "
+                           "plan.json; a --kv-cache-dtype name of compress serve, variants too: int4:exact-first-block); "
+                           "D:auto (e.g. int4:auto) chooses D's variant for this model: each candidate served on "
+                           "calibration passkey and needle prompts at --ctx, the cheapest within 0.01 of the best "
+                           "answer log-probability")
     p.add_argument("--min-retrieval", type=float, default=None, metavar="P",
                    help="with --kv-budget / --max-ppl-increase: keep retrieval of a fact stated once (calibration "
                         "passkey and needle prompts at --ctx, served) within P of the original's accuracy at every "
                         "depth (default 0.05: 5 points; 1: no retrieval bound)")
     p.add_argument("--retrieval-samples", type=int, default=None, metavar="N",
                    help="with the retrieval bound: calibration prompts per task and depth (default 1: 10 prompts, "
-                        "where one miss moves a depth by 50 points; more make the bound stricter and slower)")
+                        "where one miss moves a depth by 50 points; more make the bound stricter and slower); "
+                        "with --kv-cache-dtype D:auto: the prompts the variant is chosen on (default 4)")
     p.add_argument("--plan-windows", type=int, nargs="+", default=None, metavar="W",
                    help="with --kv-budget / --max-ppl-increase: the sliding windows (with 4 sinks) the plan may "
                         "choose for windowed layers and streaming heads, each below --ctx (default 1024 512 256)")
@@ -110,15 +117,20 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 16)))
     planning = args.kv_budget is not None or args.max_ppl_increase is not None
-    if args.ctx is not None and not planning:
-        raise KvslimError("--ctx applies to a KV plan (--kv-budget R or --max-ppl-increase P)")
+    if args.ctx is not None and not planning and not args.kv_cache_dtype:
+        raise KvslimError("--ctx applies to a KV plan (--kv-budget R, --max-ppl-increase P or --kv-cache-dtype D)")
     for flag, value in (("--min-retrieval", args.min_retrieval), ("--kv-dtypes", args.kv_dtypes),
                         ("--retrieval-samples", args.retrieval_samples), ("--plan-windows", args.plan_windows)):
+        if flag == "--retrieval-samples" and value is not None and args.kv_cache_dtype:
+            continue  # the variant choice's prompts too
         if value is not None and not planning:
             raise KvslimError(f"{flag} applies to a KV plan (--kv-budget R or --max-ppl-increase P)")
     if planning and _rewrites(args):
         raise KvslimError(f"--kv-budget / --max-ppl-increase choose the window, sinks, full layers and KV dtype "
                           f"themselves; drop {', '.join(_rewrites(args))}")
+    if args.kv_cache_dtype and _rewrites(args):
+        raise KvslimError(f"--kv-cache-dtype keeps the weights and layout as they are; drop {', '.join(_rewrites(args))} "
+                          "(or convert first, then run --kv-cache-dtype on the result)")
     spec = ConvertSpec(
         kv_heads=1 if args.mqa else args.kv_heads,
         kv_share=args.kv_share,
@@ -138,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
     source = resolve_model(args.model)
     if planning:
         return _plan(args, source)
+    if args.kv_cache_dtype:
+        return _kv_dtype(args, source)
     if args.heal_steps is None:
         result = convert(source, spec, args.out, force=args.force)
         print_summary(source, result, spec, args.eval_tokens)
@@ -158,6 +172,38 @@ def _rewrites(args: argparse.Namespace) -> list[str]:
              "--global-layers": args.global_layers, "--sinks": args.sinks, "--heal-steps": args.heal_steps,
              "--streaming-heads": args.streaming_heads}
     return [flag for flag, value in given.items() if value is not None]
+
+
+def _kv_dtype(args: argparse.Namespace, source) -> int:
+    """``--kv-cache-dtype D`` (or ``D:auto``): the checkpoint with plan.json naming D (or D's chosen variant)."""
+    import json
+
+    from eval.kv_plan import DEFAULT_PLAN_CTX
+    from eval.kv_variant_choice import CHOICE_SAMPLES, choose_kv_variant
+    from foundation.atomic import check_output_dir
+    from foundation.errors import KvslimError
+    from foundation.kv_dtype_mix import VARIANT_MARK
+    from foundation.kv_plan_file import write_plan_beside_weights
+    from runtime.cache.kv_dtype_choices import cache_kv_dtype
+
+    check_output_dir(Path(args.out), args.force)
+    base, _, how = args.kv_cache_dtype.partition(VARIANT_MARK)
+    choosing = how == "auto"
+    dtype = cache_kv_dtype(base if choosing else args.kv_cache_dtype)
+    if dtype is None:
+        raise KvslimError("--kv-cache-dtype auto is the serving default already; name a KV dtype (e.g. int4:auto)")
+    ctx = args.ctx or DEFAULT_PLAN_CTX
+    samples = CHOICE_SAMPLES if args.retrieval_samples is None else args.retrieval_samples
+    if samples < 1:
+        raise KvslimError(f"--retrieval-samples must be at least 1, got {samples}")
+    choice = choose_kv_variant(source, dtype, ctx, samples, progress=lambda line: print(f"  {line}", flush=True),
+                               measure=choosing)
+    out = write_plan_beside_weights(source, json.dumps(choice.plan(), indent=2), args.out, force=args.force)
+    c = choice.chosen
+    print(f"KV {c.kv_dtype}: {c.kv_bytes_per_token:,.0f} B/token @{ctx} = {choice.times_smaller:.2f}x smaller than "
+          f"the bf16 original ({choice.original_kv_bytes_per_token:,.0f})")
+    print(f"  wrote {out} (plan.json: compress serve / eval --backend kvslim use {c.kv_dtype} KV by default)")
+    return 0
 
 
 def _plan(args: argparse.Namespace, source) -> int:

@@ -30,17 +30,9 @@ from foundation.errors import KvslimError
 from foundation.kv_dtype_mix import KvDtypeMix
 from runtime.cache.kv_quant import QUANT_DTYPES
 from runtime.cache.kv_rotation import KvRotation
-from runtime.cache.low_bit_kv import (
-    EXACT_FIRST_BLOCK_BITS,
-    KEYS_ROTATED_BITS,
-    LOW_BIT_KV,
-    PARAM_DTYPE,
-    PackedBits,
-    VALUES_ROTATED_BITS,
-    bytes_per_token_head,
-    packed_dim,
-)
+from runtime.cache.low_bit_kv import LOW_BIT_KV, PARAM_DTYPE, PackedBits, bytes_per_token_head, packed_dim
 from runtime.cache.packed_layer import PackedLayerCache
+from runtime.cache.packed_recipe import PackedRecipe, packed_recipes
 from runtime.cache.paged_rows import gather_blocks, store_rows
 from runtime.cache.residual_slots import ResidualSlots
 from runtime.cache.write_plan import WritePlan
@@ -78,6 +70,7 @@ class CacheGroup:
     kv_dtype: str
     layers: tuple[int, ...]
     sinks: int = 0  # sliding groups: the first ``sinks`` positions are never released
+    recipe: PackedRecipe | None = None  # packed low-bit KV: how it is stored (its widths' rules, or a variant)
 
     @property
     def quantized(self) -> bool:
@@ -93,7 +86,7 @@ class CacheGroup:
         """Whether each sequence's first block is also kept exact while it runs (``packed_layer``):
         full attention only, where a bf16 block is a small share of the context; a windowed group
         holds only its sinks' block and its window, which the bf16 block would outweigh."""
-        return self.bits is not None and bool(self.bits.widths & EXACT_FIRST_BLOCK_BITS) and self.kind == "full"
+        return self.recipe is not None and self.recipe.exact_first_block and self.kind == "full"
 
 
 def sink_block_count(sinks: int, block_size: int) -> int:
@@ -117,8 +110,10 @@ class KVCacheSpec:
     def from_layout(
         cls, layout: AttentionLayout, kv_dtype: str, block_size: int = 16, static_scales: bool = False
     ) -> "KVCacheSpec":
-        """``kv_dtype``: one cache dtype name, or ``FULL/WINDOWED`` (``foundation.kv_dtype_mix``)."""
+        """``kv_dtype``: one cache dtype name, or ``FULL/WINDOWED``, with packed-KV variants after a colon
+        (``foundation.kv_dtype_mix``)."""
         mix = KvDtypeMix.parse(kv_dtype, CACHE_DTYPES)
+        recipes = packed_recipes(mix.dtypes, mix.variants)
         for name in mix.dtypes:
             if name in LOW_BIT_KV and any(layout.head_dim * b % 8 for b in LOW_BIT_KV[name].widths):
                 raise KvslimError(f"{name} KV packs head_dim into bytes; head_dim {layout.head_dim} does not fit")
@@ -126,7 +121,8 @@ class KVCacheSpec:
             raise KvslimError(f"block size must be positive, got {block_size}")
         if static_scales and (len(mix.dtypes) > 1 or mix.full not in QUANT_DTYPES):
             raise KvslimError(f"static KV scales need one quantized KV dtype, not {kv_dtype}")
-        groups = tuple(CacheGroup(kind, window, kvh, layout.head_dim, mix.of(kind), layers=tuple(members), sinks=sinks)
+        groups = tuple(CacheGroup(kind, window, kvh, layout.head_dim, mix.of(kind), layers=tuple(members), sinks=sinks,
+                                  recipe=recipes.get(mix.of(kind)))
                        for (kind, window, sinks, kvh), members in layout.cache_groups().items())
         owner_slot = {layer: (g, s) for g, grp in enumerate(groups) for s, layer in enumerate(grp.layers)}
         slots = tuple(owner_slot[l.kv_source] for l in layout.entries)
@@ -308,9 +304,9 @@ class KVCache:
             for grp, n in zip(spec.groups, self.num_blocks)
         ]
         # per group whose values or keys are rotated: one basis for its layers, (values', keys')
-        rotations = [self._rotations(grp.bits, grp.head_dim) if grp.bits else (None, None) for grp in spec.groups]
+        rotations = [self._rotations(grp.recipe, grp.head_dim) if grp.recipe else (None, None) for grp in spec.groups]
         self.packed: list[list[PackedLayerCache]] = [
-            [PackedLayerCache({k: t[s] for k, t in self.tensors[g].items()}, grp.bits, residual_dtype,
+            [PackedLayerCache({k: t[s] for k, t in self.tensors[g].items()}, grp.recipe, residual_dtype,
                               grp.exact_first_block, self.residual_slots[g], *rotations[g])
              for s in range(len(grp.layers))] if grp.bits else []
             for g, grp in enumerate(spec.groups)
@@ -391,10 +387,10 @@ class KVCache:
         lc = self.layers[layer]
         return isinstance(lc, PackedLayerCache) and lc.keys_before_rope
 
-    def _rotations(self, bits: PackedBits, head_dim: int) -> tuple[KvRotation | None, KvRotation | None]:
-        """A packed group's value and key bases (``VALUES_ROTATED_BITS``, ``KEYS_ROTATED_BITS``): one
+    def _rotations(self, recipe: PackedRecipe, head_dim: int) -> tuple[KvRotation | None, KvRotation | None]:
+        """A packed group's value and key bases (``PackedRecipe.values_rotated``, ``keys_rotated``): one
         shared basis, or None for a part kept as it is."""
-        values, keys = bits.values in VALUES_ROTATED_BITS, bits.keys in KEYS_ROTATED_BITS
+        values, keys = recipe.values_rotated, recipe.keys_rotated
         basis = KvRotation(head_dim, self.device) if values or keys else None
         return (basis if values else None), (basis if keys else None)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from foundation.errors import KvslimError
-from foundation.kv_dtype_mix import SEPARATOR, KvDtypeMix
+from foundation.kv_dtype_mix import KV_VARIANTS, SEPARATOR, VARIANT_MARK, KvDtypeMix
 
 # command-line name -> the cache's KV dtype name (None: the checkpoint's kv_cache_scheme, else its
 # plan.json's, else the activation dtype)
@@ -18,7 +18,9 @@ KV_CACHE_DTYPE_HELP = ("KV cache dtype: auto (the checkpoint's kv_cache_scheme, 
                        "3-bit keys before RoPE, 4-bit keys rotated, values per token; the block being filled "
                        "stays exact); "
                        f"FULL{SEPARATOR}WINDOWED, e.g. int8{SEPARATOR}int2, stores full-attention "
-                       "KV in the first and sliding layers' and streaming heads' KV in the second")
+                       "KV in the first and sliding layers' and streaming heads' KV in the second; packed KV may "
+                       f"name variants after a colon, joined by +: {', '.join(KV_VARIANTS)} (e.g. "
+                       "int4:exact-first-block)")
 
 
 def cache_kv_dtype(name: str, names: dict[str, str | None] = KV_CACHE_DTYPES) -> str | None:
@@ -28,10 +30,12 @@ def cache_kv_dtype(name: str, names: dict[str, str | None] = KV_CACHE_DTYPES) ->
         return None
     try:
         mix = KvDtypeMix.parse(name, tuple(n for n in names if n != "auto"))
-    except KvslimError:
+    except KvslimError as e:
+        if VARIANT_MARK in name and "variant" in str(e):
+            raise
         raise KvslimError(f"unknown KV cache dtype {name!r}; choose one of {', '.join(names)}, "
                           f"or FULL{SEPARATOR}WINDOWED (e.g. int8{SEPARATOR}int2)") from None
-    return KvDtypeMix(names[mix.full], names[mix.windowed]).name
+    return KvDtypeMix(names[mix.full], names[mix.windowed], mix.variants).name
 
 
 def is_kv_cache_dtype(name: str) -> bool:

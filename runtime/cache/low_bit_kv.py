@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from foundation.kv_dtype_mix import SEPARATOR
+from foundation.kv_dtype_mix import SEPARATOR, VARIANT_MARK
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,9 @@ KEYS_ROTATED_BITS = frozenset({4})
 def default_block_size(kv_dtype: str) -> int:
     """Tokens per block: 64 where any group stores packed KV (a key block's per-channel
     parameters cost 4 bytes per channel and head, 4 bytes per token at head_dim 64 over 64 tokens;
-    16 at block 16), else 16. ``kv_dtype`` may name a mix (``int8/int2``)."""
-    return 64 if any(part in LOW_BIT_KV for part in kv_dtype.split(SEPARATOR)) else 16
+    16 at block 16), else 16. ``kv_dtype`` may name a mix (``int8/int2``) and variants
+    (``int4:exact-first-block``)."""
+    return 64 if any(part in LOW_BIT_KV for part in kv_dtype.partition(VARIANT_MARK)[0].split(SEPARATOR)) else 16
 
 
 def packed_dim(head_dim: int, bits: int) -> int:
@@ -165,13 +166,13 @@ def _quantize(x: torch.Tensor, dim: int, bits: int,
     return pack(codes, bits), scale.squeeze(dim), lo.squeeze(dim)
 
 
-def quantize_key_blocks(x: torch.Tensor, bits: int,
-                        first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_key_blocks(x: torch.Tensor, bits: int, first: torch.Tensor | None = None,
+                        clipped: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Full key blocks ``[n, block_size, kvh, D]`` -> (codes ``[n, block_size, kvh, D*bits/8]``,
-    scale, minimum ``[n, kvh, D]``), per channel over each block's tokens; ranges clipped at
-    ``CLIPPED_KEY_BITS`` except in the blocks ``first [n]`` marks (a sequence's first block: its
-    attention sinks' keys are the outliers clipping would cut)."""
-    if bits not in CLIPPED_KEY_BITS:
+    scale, minimum ``[n, kvh, D]``), per channel over each block's tokens; ranges clipped where
+    ``clipped`` (default: at ``CLIPPED_KEY_BITS``) except in the blocks ``first [n]`` marks (a
+    sequence's first block: its attention sinks' keys are the outliers clipping would cut)."""
+    if not (bits in CLIPPED_KEY_BITS if clipped is None else clipped):
         return _quantize(x.float(), 1, bits)
     clip = torch.ones(x.shape[0], dtype=torch.bool, device=x.device) if first is None else ~first.to(x.device)
     return _quantize(x.float(), 1, bits, clip.view(-1, 1, 1, 1))

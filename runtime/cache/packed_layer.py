@@ -27,14 +27,8 @@ import torch
 
 from foundation.errors import KvslimError
 from runtime.cache.kv_rotation import KvRotation
-from runtime.cache.low_bit_kv import (
-    KEYS_BEFORE_ROPE_BITS,
-    PackedBits,
-    dequantize_keys,
-    dequantize_values,
-    quantize_key_blocks,
-    quantize_value_rows,
-)
+from runtime.cache.low_bit_kv import dequantize_keys, dequantize_values, quantize_key_blocks, quantize_value_rows
+from runtime.cache.packed_recipe import PackedRecipe
 from runtime.cache.residual_slots import ResidualSlots
 from runtime.cache.write_plan import WritePlan
 
@@ -42,19 +36,20 @@ from runtime.cache.write_plan import WritePlan
 class PackedLayerCache:
     """Views of one layer slot's packed tensors and residual rows, over its group's slot table."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], bits: PackedBits, residual_dtype: torch.dtype,
+    def __init__(self, tensors: dict[str, torch.Tensor], recipe: PackedRecipe, residual_dtype: torch.dtype,
                  exact_first_block: bool, slots: ResidualSlots, value_rotation: KvRotation | None = None,
                  key_rotation: KvRotation | None = None):
-        """``slots``: the cache group's slot table, shared by its layers; ``value_rotation``: the
-        group's value basis (None: values as they are), which the caller rotates values into and
-        attention outputs out of; ``key_rotation``: its key basis, which the caller rotates keys
-        (after RoPE) and queries into."""
+        """``recipe``: the group's storage rules; ``slots``: the cache group's slot table, shared by
+        its layers; ``value_rotation``: the group's value basis (None: values as they are), which the
+        caller rotates values into and attention outputs out of; ``key_rotation``: its key basis, which
+        the caller rotates keys (after RoPE) and queries into."""
         self.k_codes, self.v_codes = tensors["k_codes"], tensors["v_codes"]
         self.k_scale, self.k_min = tensors["k_scale"], tensors["k_min"]
         self.v_scale, self.v_min = tensors["v_scale"], tensors["v_min"]
         self.k_residual, self.v_residual = tensors["k_residual"], tensors["v_residual"]
-        self.bits = bits
-        self.keys_before_rope = bits.keys in KEYS_BEFORE_ROPE_BITS  # the caller stores and reads keys unrotated
+        self.bits = recipe.bits
+        self.keys_before_rope = recipe.keys_before_rope  # the caller stores and reads keys unrotated
+        self.keys_clipped = recipe.keys_clipped
         self.value_rotation = value_rotation
         self.key_rotation = key_rotation
         if key_rotation is not None and self.keys_before_rope:
@@ -110,7 +105,7 @@ class PackedLayerCache:
         def quantize(plan: WritePlan) -> None:
             full = plan.full
             self.k_codes[full], self.k_scale[full], self.k_min[full] = quantize_key_blocks(
-                self._filled_rows(plan, k, self.k_residual), self.bits.keys, plan.first)
+                self._filled_rows(plan, k, self.k_residual), self.bits.keys, plan.first, self.keys_clipped)
             self.v_codes[full], self.v_scale[full], self.v_min[full] = quantize_value_rows(
                 self._filled_rows(plan, v, self.v_residual), self.bits.values)
 

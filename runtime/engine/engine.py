@@ -220,7 +220,7 @@ class Engine:
         chunk = config.get("max_num_batched_tokens", EngineConfig.max_num_batched_tokens)
         groups = range(len(kv_spec.groups))
         per_seq = [kv_spec.max_blocks_per_seq(g, longest) for g in groups]
-        seq_bytes = sum(n * kv_spec.block_bytes(g) for g, n in zip(groups, per_seq))
+        seq_bytes = sum(n * kv_spec.block_bytes(g) + kv_spec.exact_block_bytes(g) for g, n in zip(groups, per_seq))
         # plan_num_blocks splits a budget by per_seq; each group needs its blocks in flight per sequence.
         seqs = max(num_seqs * kv_spec.blocks_in_flight(g, longest, chunk) / per_seq[g] for g in groups)
         budget = math.ceil(seqs * seq_bytes) + seq_bytes

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from foundation.errors import KvslimError
-from runtime.cache.low_bit_kv import KEYS_BEFORE_ROPE_BITS, LOW_BIT_KV, packed_dim
+from runtime.cache.low_bit_kv import CLIPPED_KEY_BITS, KEYS_BEFORE_ROPE_BITS, LOW_BIT_KV, packed_dim
 from runtime.kernels.packed_kv_store import clip_steps, key_tile_width, quantize_num_warps
 from runtime.kernels.packed_paged_attention import key_tile
 from runtime.kernels.paged_attention import attention_num_warps
@@ -161,7 +161,7 @@ def _packed_variants() -> list[KernelVariant]:
              "k_codes_ptr": "*u8", "v_codes_ptr": "*u8", "k_scale_ptr": "*fp16", "k_min_ptr": "*fp16",
              "v_scale_ptr": "*fp16", "v_min_ptr": "*fp16"},
             dict(KEY_BITS=bits.keys, VALUE_BITS=bits.values, BLOCK_S=64, BLOCK_P=key_tile_width(bits.keys, d),
-                 BLOCK_VP=packed_dim(d, bits.values), MIN_SCALE_=1e-6, CLIP_STEPS=clip_steps(bits.keys)), quick,
+                 BLOCK_VP=packed_dim(d, bits.values), MIN_SCALE_=1e-6, CLIP_STEPS=clip_steps(bits.keys in CLIPPED_KEY_BITS)), quick,
             num_warps=quantize_num_warps(64, d)))
     cases = [  # (name, q, residual, KV dtype, D, QPK, decode, splits, block size, window, softcap, fresh, quick)
         ("int4 kv decode d64 gqa3", "bf16", "bf16", "int4", 64, 3, True, 1, 64, False, False, True, True),

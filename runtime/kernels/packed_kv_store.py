@@ -29,7 +29,6 @@ import triton
 import triton.language as tl
 
 from foundation.errors import KvslimError
-from runtime.cache import low_bit_kv
 from runtime.cache.low_bit_kv import KEY_RANGE_SHRINKS, MIN_SCALE, PARAM_DTYPE, packed_dim
 from runtime.cache.packed_layer import PackedLayerCache
 from runtime.cache.write_plan import WritePlan
@@ -230,10 +229,9 @@ def _check_store(k, v, cache: PackedLayerCache, slot_mapping) -> None:
 
 
 # --------------------------------------------------------------------------- wrapper
-def clip_steps(key_bits: int) -> int:
-    """``quantize_blocks_kernel``'s CLIP_STEPS for keys at ``key_bits``: clipped ranges tried beyond the full one."""
-    # read at call time, as the torch path does, so that a benchmark's patch reaches the kernel too
-    return len(KEY_RANGE_SHRINKS) - 1 if key_bits in low_bit_kv.CLIPPED_KEY_BITS else 0
+def clip_steps(clipped: bool) -> int:
+    """``quantize_blocks_kernel``'s CLIP_STEPS for keys ``clipped`` or not: clipped ranges tried beyond the full one."""
+    return len(KEY_RANGE_SHRINKS) - 1 if clipped else 0
 
 
 def key_tile_width(key_bits: int, head_dim: int) -> int:
@@ -279,7 +277,7 @@ def store_packed_kv(k: torch.Tensor, v: torch.Tensor, cache: PackedLayerCache, s
             # bits and tile shapes
             KEY_BITS=cache.bits.keys, VALUE_BITS=cache.bits.values, BLOCK_S=triton.next_power_of_2(bs),
             BLOCK_P=triton.next_power_of_2(key_tile_bytes), BLOCK_VP=triton.next_power_of_2(vc.shape[-1]),
-            MIN_SCALE_=MIN_SCALE, CLIP_STEPS=clip_steps(cache.bits.keys), num_warps=quantize_num_warps(bs, d),
+            MIN_SCALE_=MIN_SCALE, CLIP_STEPS=clip_steps(cache.keys_clipped), num_warps=quantize_num_warps(bs, d),
         )
 
     def store(stays: torch.Tensor) -> None:

@@ -84,6 +84,13 @@ BAD = {
                                     "below the model's context"),
     "streaming_sliding_model": ("mistral", ["--streaming-heads", "0.5", "--sliding-window", "16"], "every layer here"),
     "plan_with_streaming": ("llama", ["--kv-budget", "0.5", "--streaming-heads", "0.5"], "drop --streaming-heads"),
+    "kv_dtype_with_rewrites": ("llama", ["--kv-cache-dtype", "int4", "--mqa"], "drop --mqa"),
+    "kv_dtype_with_budget": ("llama", ["--kv-cache-dtype", "int4", "--kv-budget", "0.5"], "not allowed with"),
+    "kv_dtype_unknown": ("llama", ["--kv-cache-dtype", "int5"], "unknown KV cache dtype"),
+    "kv_dtype_unknown_variant": ("llama", ["--kv-cache-dtype", "int4:sideways"], "unknown KV variant"),
+    "kv_dtype_variant_of_int8": ("llama", ["--kv-cache-dtype", "int8:exact-first-block"], "apply to packed KV"),
+    "kv_dtype_auto": ("llama", ["--kv-cache-dtype", "auto"], "name a KV dtype"),
+    "kv_dtype_choose_a_chosen": ("llama", ["--kv-cache-dtype", "int4:keys-unrotated+auto"], "unknown KV variant 'auto'"),
 }
 
 
@@ -152,3 +159,34 @@ def test_a_plan_with_a_kv_dtype_mix_is_inspected_and_served(tiny_with_tokenizer,
     llm = LLM(out, max_model_len=64)
     assert llm.kv_cache_dtype == "int8/int2"
     assert {(g.kind, g.kv_dtype) for g in llm.kv_spec.groups} == {("full", "int8"), ("sliding", "int2")}
+
+
+def test_kv_cache_dtype_writes_a_plan_the_runtime_serves(tiny_llama, tmp_path, capsys):
+    from runtime.llm import LLM
+
+    out = tmp_path / "int4"
+    assert main(["convert", str(tiny_llama), "--kv-cache-dtype", "int4:exact-first-block", "--ctx", "256",
+                 "-o", str(out)]) == 0
+    assert "x smaller than the bf16 original" in capsys.readouterr().out
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["kv_cache_dtype"] == "int4:exact-first-block" and plan["ctx"] == 256
+    assert (out / "model.safetensors").read_bytes() == (tiny_llama / "model.safetensors").read_bytes()
+    assert main(["inspect", str(out)]) == 0
+    assert "served with int4:exact-first-block KV by default" in capsys.readouterr().out
+    llm = LLM(out, max_model_len=64)
+    assert llm.kv_cache_dtype == "int4:exact-first-block" and llm.kv_spec.groups[0].exact_first_block
+
+
+def test_kv_cache_dtype_auto_chooses_a_variant_on_calibration_prompts(tiny_with_tokenizer, tmp_path, capsys):
+    from eval.kv_variant_choice import VariantCandidate, pick
+
+    out = tmp_path / "chosen"
+    assert main(["convert", str(tiny_with_tokenizer), "--kv-cache-dtype", "int4:auto", "--ctx", "128",
+                 "--retrieval-samples", "1", "-o", str(out)]) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    measured = [VariantCandidate(**c) for c in plan["candidates"]]
+    assert [c.kv_dtype for c in measured] == ["int4", "int4:exact-first-block", "int4:keys-unrotated",
+                                              "int4:exact-first-block+keys-unrotated"]
+    assert plan["kv_cache_dtype"] == pick(measured).kv_dtype
+    assert plan["retrieval_prompts"].startswith("10 prompts (passkey_calib, needle_calib, 1 a depth")
+    assert "calibration answer log-prob" in capsys.readouterr().out

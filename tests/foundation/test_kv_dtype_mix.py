@@ -33,3 +33,26 @@ def test_plan_file_carries_a_mix(tmp_path):
     with pytest.raises(CheckpointError, match="FULL/WINDOWED"):
         planned_kv_dtype(tmp_path)
     assert "int2" in PLAN_KV_DTYPES
+
+
+def test_variants_follow_a_colon_in_a_fixed_order():
+    mix = KvDtypeMix.parse("int8/int2:values-unrotated+keys-unclipped", KNOWN)
+    assert (mix.full, mix.windowed, mix.variants) == ("int8", "int2", ("keys-unclipped", "values-unrotated"))
+    assert mix.name == "int8/int2:keys-unclipped+values-unrotated" and mix.of("sliding") == "int2"
+    assert KvDtypeMix.parse(mix.name, KNOWN) == mix
+
+
+@pytest.mark.parametrize("name, message", [
+    ("int4:sideways", "unknown KV variant 'sideways'"),
+    ("int4:", "unknown KV variant ''"),
+    ("int4:exact-first-block+quantized-first-block", "contradict"),
+    ("int5:exact-first-block", "unknown KV dtype"),
+])
+def test_bad_variants_are_one_line(name, message):
+    with pytest.raises(KvslimError, match=message):
+        KvDtypeMix.parse(name, KNOWN)
+
+
+def test_plan_file_carries_a_variant(tmp_path):
+    (tmp_path / "plan.json").write_text(json.dumps({"kv_cache_dtype": "int4:exact-first-block"}))
+    assert planned_kv_dtype(tmp_path) == "int4:exact-first-block"

@@ -1,12 +1,11 @@
-"""``benchmarks/kv_retrieval_served_logprob.py`` and ``served_kv_variant.py``: answer log-probabilities
-walked through the cache as served (prompt in prefill chunks, answer a token at a time), checked
-against the plain log-softmax of ``Engine.score`` over the same pieces."""
+"""``eval.retrieval_logprob`` (and ``benchmarks/kv_retrieval_served_logprob.py`` over it): answer
+log-probabilities walked through the cache as served (prompt in prefill chunks, answer a token at a
+time), checked against the plain log-softmax of ``Engine.score`` over the same pieces."""
 import pytest
 import torch
 
 from runtime.engine.engine import Engine, EngineConfig
 from runtime.model.loader import load_model
-from tests.benchmark_scripts import load_benchmark
 
 
 def tiny_engine(path, kv_dtype: str) -> Engine:
@@ -17,7 +16,9 @@ def tiny_engine(path, kv_dtype: str) -> Engine:
 
 @pytest.fixture(scope="module")
 def script():
-    return load_benchmark("kv_retrieval_served_logprob")
+    import eval.retrieval_logprob
+
+    return eval.retrieval_logprob
 
 
 def test_pieces_are_prefill_chunks_then_single_tokens(script):
@@ -49,21 +50,6 @@ def test_answer_ids_continue_the_prompt(script, tiny_with_tokenizer):
     prompt, answer = script.answer_ids(tok, "The pass key is", "48213")
     assert tok(" 48213", add_special_tokens=False)["input_ids"][-5:] == answer[-5:]
     assert tok.decode(prompt + answer).endswith("The pass key is 48213")
-
-
-def test_variants_change_what_the_engine_stores(tiny_llama):
-    variant = load_benchmark("served_kv_variant").served_kv_variant
-    model = load_model(tiny_llama, "float32")
-
-    def key_rotation(kv: str):
-        with variant(kv) as dtype:
-            engine = Engine(model, EngineConfig(kv_dtype=dtype, max_model_len=128, kv_cache_bytes=2 << 20))
-        return engine.cache.key_rotation(0)
-
-    assert key_rotation("int4") is not None and key_rotation("int4:keys-unrotated") is None
-    for bad in ("int4:sideways", "fp8_e4m3:calibrated"):  # calibrated scales: engine_kv_perplexity.py's own
-        with pytest.raises(SystemExit, match=f"unknown KV variant '{bad.partition(':')[2]}'"), variant(bad):
-            pass
 
 
 def test_a_missing_checkpoint_is_one_line():

@@ -1,0 +1,141 @@
+"""Which variant of a packed KV dtype a model retrieves best with, chosen on calibration prompts.
+
+The runtime's storage rules per code width (``runtime.cache.low_bit_kv``) were measured on the
+default model. Another model may read a fact stated once better otherwise: Gemma-3-270M's int4
+keeps the answer far likelier with each sequence's first block (its attention sinks) exact, which
+SmolLM2's int4 does not need. So ``compress convert --kv-cache-dtype int4:auto`` serves each
+candidate variant (``foundation.kv_dtype_mix.KV_VARIANTS``) and measures the mean answer
+log-probability of calibration retrieval prompts (``eval.retrieval_task``'s ``*_calib`` wordings,
+disjoint from the evaluation tasks) at the context asked, as ``LLM`` serves them
+(``eval.retrieval_logprob``). The rule, fixed before any model was measured with it: the cheapest
+candidate (KV bytes per token at that context) within ``LOGPROB_TOLERANCE`` of the best; on equal
+bytes the runtime's default first.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from foundation.errors import KvslimError
+from foundation.kv_dtype_mix import VARIANT_JOIN, VARIANT_MARK
+
+# variants tried beside the default, where they change a packed part of the dtype
+CANDIDATE_VARIANTS = ("exact-first-block", "keys-unrotated", "exact-first-block+keys-unrotated")
+LOGPROB_TOLERANCE = 0.01  # nats of mean answer log-probability
+CHOICE_TASKS = ("passkey_calib", "needle_calib")
+CHOICE_DEPTHS = (0, 25, 50, 75, 100)
+CHOICE_SAMPLES = 4  # prompts per task and depth
+PREFILL_CHUNK = 1024  # LLM's default
+
+
+@dataclass(frozen=True)
+class VariantCandidate:
+    """One KV dtype name measured: its bytes per token and its calibration answer log-probability."""
+
+    kv_dtype: str
+    kv_bytes_per_token: float
+    calib_logprob: float | None  # None: the only candidate, not measured
+
+
+@dataclass(frozen=True)
+class KvVariantChoice:
+    """The candidates measured at ``ctx`` and the one chosen."""
+
+    chosen: VariantCandidate
+    candidates: tuple[VariantCandidate, ...]
+    ctx: int
+    original_kv_bytes_per_token: float  # bf16 KV
+    prompts: str
+
+    @property
+    def times_smaller(self) -> float:
+        return self.original_kv_bytes_per_token / self.chosen.kv_bytes_per_token
+
+    def plan(self) -> dict:
+        """``plan.json``'s content: the chosen KV dtype (what the runtime serves) and the evidence."""
+        return {"kv_cache_dtype": self.chosen.kv_dtype, "ctx": self.ctx, "choice": self.chosen.kv_dtype,
+                "kv_bytes_per_token": round(self.chosen.kv_bytes_per_token, 1),
+                "original_kv_bytes_per_token": round(self.original_kv_bytes_per_token, 1),
+                "times_smaller": round(self.times_smaller, 3),
+                "variant_rule": f"cheapest within {LOGPROB_TOLERANCE} of the best calibration answer log-probability",
+                "retrieval_prompts": self.prompts,
+                "candidates": [asdict(c) for c in self.candidates]}
+
+
+def candidate_dtypes(kv_dtype: str) -> list[str]:
+    """``kv_dtype`` (no variants) and each ``CANDIDATE_VARIANTS`` of it that changes how it is stored."""
+    from foundation.kv_dtype_mix import KvDtypeMix
+    from runtime.cache.kv_cache import CACHE_DTYPES
+    from runtime.cache.packed_recipe import packed_recipes
+
+    mix = KvDtypeMix.parse(kv_dtype, CACHE_DTYPES)
+    if mix.variants:
+        raise KvslimError(f"{kv_dtype}: name the dtype alone to choose its variant (e.g. {kv_dtype.partition(VARIANT_MARK)[0]})")
+    names = [mix.name]
+    for variant in CANDIDATE_VARIANTS:
+        try:
+            packed_recipes(mix.dtypes, tuple(variant.split(VARIANT_JOIN)))
+        except KvslimError:  # a variant that changes nothing here
+            continue
+        names.append(KvDtypeMix(mix.full, mix.windowed, tuple(variant.split(VARIANT_JOIN))).name)
+    return names
+
+
+def pick(candidates: list[VariantCandidate]) -> VariantCandidate:
+    """The cheapest candidate within ``LOGPROB_TOLERANCE`` of the best; the earliest on equal bytes."""
+    best = max(c.calib_logprob for c in candidates)
+    close = [c for c in candidates if c.calib_logprob >= best - LOGPROB_TOLERANCE]
+    return min(close, key=lambda c: c.kv_bytes_per_token)  # min keeps the first of equals
+
+
+def choose_kv_variant(model_dir: str | Path, kv_dtype: str, ctx: int, samples: int = CHOICE_SAMPLES,
+                      progress: Callable[[str], None] = print, measure: bool = True) -> KvVariantChoice:
+    """Serve each candidate variant of ``kv_dtype`` on the calibration retrieval prompts at ``ctx``
+    and choose by ``pick``; ``measure=False``: ``kv_dtype`` as named (variants too), nothing served."""
+    from foundation.attention_layout import AttentionLayout
+    from foundation.checkpoint import Checkpoint
+    from runtime.cache.kv_cache import KVCacheSpec
+    from runtime.cache.low_bit_kv import default_block_size
+
+    layout = AttentionLayout.from_config(Checkpoint.open(model_dir).config)
+
+    def bytes_per_token(name: str) -> float:
+        return KVCacheSpec.from_layout(layout, name, default_block_size(name)).kv_bytes_per_token(layout, ctx)
+
+    names = candidate_dtypes(kv_dtype) if measure else [kv_dtype]
+    original = bytes_per_token("bf16")
+    if len(names) == 1:  # nothing to choose between
+        only = VariantCandidate(names[0], bytes_per_token(names[0]), None)
+        return KvVariantChoice(only, (only,), ctx, original, "none: nothing to choose between")
+    measured = []
+    logprobs, described = _served_logprobs(model_dir, ctx, samples)
+    for name in names:
+        measured.append(VariantCandidate(name, bytes_per_token(name), logprobs(name)))
+        progress(f"{name}: calibration answer log-prob {measured[-1].calib_logprob:.3f}, "
+                 f"KV {measured[-1].kv_bytes_per_token:,.0f} B/token @{ctx}")
+    return KvVariantChoice(pick(measured), tuple(measured), ctx, original, described)
+
+
+def _served_logprobs(model_dir: str | Path, ctx: int, samples: int) -> tuple[Callable[[str], float], str]:
+    """(KV dtype -> mean answer log-probability of the calibration prompts served in it, the prompts described)."""
+    from eval.retrieval_logprob import answer_ids, answer_logprobs
+    from eval.retrieval_task import RetrievalTask
+    from runtime.engine.engine import Engine
+    from runtime.llm import LLM
+
+    llm = LLM(model_dir)
+    prompts = [p for t in CHOICE_TASKS for p in RetrievalTask(t, (ctx,), CHOICE_DEPTHS, samples).prompts(llm.tokenizer)]
+    encoded = [answer_ids(llm.tokenizer, p.text, p.answer) for p in prompts]
+    longest = max(len(a) + len(b) for a, b in encoded)
+    if longest > llm.max_model_len:
+        raise KvslimError(f"--ctx {ctx}: calibration prompts of up to {longest} tokens exceed the model's "
+                          f"{llm.max_model_len} positions")
+
+    def logprob(name: str) -> float:
+        engine = Engine.sized_for(llm.model, longest, 1, max_num_batched_tokens=PREFILL_CHUNK, kv_dtype=name)
+        means = [float(answer_logprobs(engine, prompt, answer, PREFILL_CHUNK)[0].mean()) for prompt, answer in encoded]
+        return sum(means) / len(means)
+
+    return logprob, (f"{len(prompts)} prompts ({', '.join(CHOICE_TASKS)}, {samples} a depth at "
+                     f"{' '.join(f'{d}%' for d in CHOICE_DEPTHS)}, context {ctx}), served")
