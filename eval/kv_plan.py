@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -43,7 +44,7 @@ from foundation.calibration import CalibrationSpec, load_tokenizer, token_window
 from foundation.checkpoint import Checkpoint
 from foundation.errors import KvslimError
 from foundation.kv_dtype_mix import SEPARATOR
-from foundation.kv_plan_file import PLAN_FILE, PLANNER_KV_DTYPES, write_plan_beside_weights
+from foundation.kv_plan_file import PLAN_FILE, PLANNER_KV_DTYPES
 from foundation.texts import DEFAULT_CALIB
 
 DEFAULT_PLAN_CTX = 2048
@@ -420,3 +421,17 @@ def write_planned_checkpoint(model_dir: str | Path, plan: KvPlan, out: str | Pat
             spec = ConvertSpec(sliding_window=choice.window, sinks=choice.sinks, streaming_set=choice.streaming)
         return convert(Path(model_dir), spec, Path(out), force=force, extra_files={PLAN_FILE: plan.to_json()}).out
     return write_plan_beside_weights(model_dir, plan.to_json(), out, force)
+
+
+def write_plan_beside_weights(model_dir: str | Path, plan_json: str, out: str | Path, force: bool = False) -> Path:
+    """``out``: the checkpoint's files unchanged, its ``plan.json`` replaced by ``plan_json``; atomic."""
+    from foundation.atomic import atomic_output_dir, check_output_dir
+
+    ckpt = Checkpoint.open(model_dir)
+    check_output_dir(Path(out), force)
+    with atomic_output_dir(out, force, checked=True) as tmp:
+        for f in ckpt.path.iterdir():
+            if f.is_file() and f.name != PLAN_FILE:
+                shutil.copy2(f, tmp / f.name)
+        (tmp / PLAN_FILE).write_text(plan_json)
+    return Path(out)

@@ -7,7 +7,6 @@ The planner (``eval.kv_plan``) writes it; the runtime reads its KV dtype (one na
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from foundation.errors import CheckpointError, KvslimError
@@ -42,18 +41,3 @@ def planned_kv_dtype(checkpoint_dir: str | Path) -> str | None:
     """The KV cache dtype the checkpoint's plan chose, or None without a plan."""
     plan = read_plan(checkpoint_dir)
     return None if plan is None else plan["kv_cache_dtype"]
-
-
-def write_plan_beside_weights(model_dir: str | Path, plan_json: str, out: str | Path, force: bool = False) -> Path:
-    """``out``: the checkpoint's files unchanged, its ``plan.json`` replaced by ``plan_json``; atomic."""
-    from foundation.atomic import atomic_output_dir, check_output_dir
-    from foundation.checkpoint import Checkpoint
-
-    ckpt = Checkpoint.open(model_dir)
-    check_output_dir(Path(out), force)
-    with atomic_output_dir(out, force, checked=True) as tmp:
-        for f in ckpt.path.iterdir():
-            if f.is_file() and f.name != PLAN_FILE:
-                shutil.copy2(f, tmp / f.name)
-        (tmp / PLAN_FILE).write_text(plan_json)
-    return Path(out)

@@ -178,12 +178,11 @@ def _kv_dtype(args: argparse.Namespace, source) -> int:
     """``--kv-cache-dtype D`` (or ``D:auto``): the checkpoint with plan.json naming D (or D's chosen variant)."""
     import json
 
-    from eval.kv_plan import DEFAULT_PLAN_CTX
+    from eval.kv_plan import DEFAULT_PLAN_CTX, write_plan_beside_weights
     from eval.kv_variant_choice import CHOICE_SAMPLES, choose_kv_variant
     from foundation.atomic import check_output_dir
     from foundation.errors import KvslimError
     from foundation.kv_dtype_mix import VARIANT_MARK
-    from foundation.kv_plan_file import write_plan_beside_weights
     from runtime.cache.kv_dtype_choices import cache_kv_dtype
 
     check_output_dir(Path(args.out), args.force)
