@@ -2,14 +2,13 @@
 
 The runtime's storage rules per code width (``runtime.cache.low_bit_kv``) were measured on the
 default model. Another model may read a fact stated once better otherwise: Gemma-3-270M's int4
-keeps the answer far likelier with each sequence's first block (its attention sinks) exact, which
+keeps the answer likelier with each sequence's first block (its attention sinks) exact, which
 SmolLM2's int4 does not need. So ``compress convert --kv-cache-dtype int4:auto`` serves each
 candidate variant (``foundation.kv_dtype_mix.KV_VARIANTS``) and measures the mean answer
 log-probability of calibration retrieval prompts (``eval.retrieval_task``'s ``*_calib`` wordings,
 disjoint from the evaluation tasks) at the context asked, as ``LLM`` serves them
-(``eval.retrieval_logprob``). The rule, fixed before any model was measured with it: the cheapest
-candidate (KV bytes per token at that context) within ``LOGPROB_TOLERANCE`` of the best; on equal
-bytes the runtime's default first.
+(``eval.retrieval_logprob``). The rule: the cheapest candidate (KV bytes per token at that
+context) within ``LOGPROB_TOLERANCE`` of the best; on equal bytes the runtime's default first.
 """
 from __future__ import annotations
 
