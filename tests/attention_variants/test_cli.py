@@ -91,6 +91,7 @@ BAD = {
     "kv_dtype_variant_of_int8": ("llama", ["--kv-cache-dtype", "int8:exact-first-block"], "apply to packed KV"),
     "kv_dtype_auto": ("llama", ["--kv-cache-dtype", "auto"], "name a KV dtype"),
     "kv_dtype_choose_a_chosen": ("llama", ["--kv-cache-dtype", "int4:keys-unrotated+auto"], "unknown KV variant 'auto'"),
+    "kv_dtype_no_prompts": ("llama", ["--kv-cache-dtype", "int4:auto", "--retrieval-samples", "0"], "at least 1"),
 }
 
 
