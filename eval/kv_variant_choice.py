@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Callable
 
 from foundation.errors import KvslimError
-from foundation.kv_dtype_mix import VARIANT_JOIN, VARIANT_MARK
 
 # variants tried beside the default, where they change a packed part of the dtype
-CANDIDATE_VARIANTS = ("exact-first-block", "keys-unrotated", "exact-first-block+keys-unrotated")
+CANDIDATE_VARIANTS = (("exact-first-block",), ("keys-unrotated",), ("exact-first-block", "keys-unrotated"))
 LOGPROB_TOLERANCE = 0.01  # nats of mean answer log-probability
 CHOICE_TASKS = ("passkey_calib", "needle_calib")
 CHOICE_DEPTHS = (0, 25, 50, 75, 100)
@@ -64,20 +63,20 @@ class KvVariantChoice:
 
 def candidate_dtypes(kv_dtype: str) -> list[str]:
     """``kv_dtype`` (no variants) and each ``CANDIDATE_VARIANTS`` of it that changes how it is stored."""
-    from foundation.kv_dtype_mix import KvDtypeMix
+    from foundation.kv_dtype_mix import KvDtypeMix, split_variants
     from runtime.cache.kv_cache import CACHE_DTYPES
     from runtime.cache.packed_recipe import packed_recipes
 
     mix = KvDtypeMix.parse(kv_dtype, CACHE_DTYPES)
     if mix.variants:
-        raise KvslimError(f"{kv_dtype}: name the dtype alone to choose its variant (e.g. {kv_dtype.partition(VARIANT_MARK)[0]})")
+        raise KvslimError(f"{kv_dtype}: name the dtype alone to choose its variant (e.g. {split_variants(kv_dtype)[0]})")
     names = [mix.name]
-    for variant in CANDIDATE_VARIANTS:
+    for variants in CANDIDATE_VARIANTS:
         try:
-            packed_recipes(mix.dtypes, tuple(variant.split(VARIANT_JOIN)))
+            packed_recipes(mix.dtypes, variants)
         except KvslimError:  # a variant that changes nothing here
             continue
-        names.append(KvDtypeMix(mix.full, mix.windowed, tuple(variant.split(VARIANT_JOIN))).name)
+        names.append(KvDtypeMix(mix.full, mix.windowed, variants).name)
     return names
 
 

@@ -213,7 +213,7 @@ class EvalPlan:
         import lm_eval
         import transformers
 
-        from foundation.kv_dtype_mix import SEPARATOR, VARIANT_JOIN, VARIANT_MARK
+        from foundation.kv_dtype_mix import SEPARATOR, split_variants
         from runtime.cache.low_bit_kv import KEY_RANGE_SHRINKS, LOW_BIT_KV
         from runtime.cache.packed_recipe import PackedRecipe
         from runtime.device import CPU, Placement
@@ -222,8 +222,7 @@ class EvalPlan:
         placement = Placement.resolve(self.device, self.kernels)
         named_ppl = any(t in PERPLEXITY_TASKS for t in self.tasks)
         served = auto_kv_dtype if self.kv_cache_dtype == "auto" and auto_kv_dtype else self.kv_cache_dtype
-        base, _, asked = served.partition(VARIANT_MARK)
-        variants = tuple(asked.split(VARIANT_JOIN)) if asked else ()
+        base, variants = split_variants(served)
         packed = [PackedRecipe.of(LOW_BIT_KV[part], variants) for part in base.split(SEPARATOR) if part in LOW_BIT_KV]
         key_basis = [name for name, rule in (("pre-rope", "keys_before_rope"), ("hadamard", "keys_rotated"))
                      if any(getattr(r, rule) for r in packed)]

@@ -34,6 +34,12 @@ KV_VARIANTS: dict[str, str] = {
 _OPPOSITES = (("exact-first-block", "quantized-first-block"), ("keys-clipped", "keys-unclipped"))
 
 
+def split_variants(name: str) -> tuple[str, tuple[str, ...]]:
+    """``"int8/int2:a+b"`` -> ``("int8/int2", ("a", "b"))``, unchecked (``KvDtypeMix.parse`` checks)."""
+    base, _, suffix = name.partition(VARIANT_MARK)
+    return base, tuple(suffix.split(VARIANT_JOIN)) if suffix else ()
+
+
 @dataclass(frozen=True)
 class KvDtypeMix:
     """The KV dtype of full-attention entries and of windowed ones (the cache's dtype names), and the
@@ -46,12 +52,11 @@ class KvDtypeMix:
     @classmethod
     def parse(cls, name: str, known: tuple[str, ...]) -> "KvDtypeMix":
         """``"int4"``, ``"int8/int2"``, ``"int4:exact-first-block"``; a one-line error naming what is wrong."""
-        base, _, suffix = name.partition(VARIANT_MARK) if isinstance(name, str) else ("", "", "")
+        base, asked = split_variants(name) if isinstance(name, str) else ("", ())
         parts = base.split(SEPARATOR) if base else []
         if len(parts) not in (1, 2) or any(p not in known for p in parts):
             raise KvslimError(f"unknown KV dtype {name!r}; choose one of {', '.join(known)}, or FULL{SEPARATOR}WINDOWED "
                               f"(e.g. int8{SEPARATOR}int2: full-attention KV in int8, sliding and streaming KV in int2)")
-        asked = suffix.split(VARIANT_JOIN) if suffix else []
         unknown = [v for v in asked if v not in KV_VARIANTS]
         if unknown or (VARIANT_MARK in name and not asked):
             raise KvslimError(f"unknown KV variant {(unknown or [''])[0]!r} in {name!r}; choose from "

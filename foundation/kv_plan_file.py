@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from foundation.errors import CheckpointError, KvslimError
-from foundation.kv_dtype_mix import SEPARATOR, KvDtypeMix
+from foundation.kv_dtype_mix import SEPARATOR, KvDtypeMix, split_variants
 
 PLAN_FILE = "plan.json"
 # what plan.json may carry
@@ -30,10 +30,14 @@ def read_plan(checkpoint_dir: str | Path) -> dict | None:
         raise CheckpointError(f"{path}: unreadable KV plan ({e})") from None
     dtype = plan.get("kv_cache_dtype") if isinstance(plan, dict) else None
     try:
-        KvDtypeMix.parse(dtype, PLAN_KV_DTYPES)
+        KvDtypeMix.parse(split_variants(dtype)[0] if isinstance(dtype, str) else dtype, PLAN_KV_DTYPES)
     except KvslimError:
         raise CheckpointError(f"{path}: a KV plan needs kv_cache_dtype, one of {', '.join(PLAN_KV_DTYPES)} "
                               f"or FULL{SEPARATOR}WINDOWED (e.g. int8{SEPARATOR}int2), found {dtype!r}") from None
+    try:
+        KvDtypeMix.parse(dtype, PLAN_KV_DTYPES)
+    except KvslimError as e:  # its variants
+        raise CheckpointError(f"{path}: {e}") from None
     return plan
 
 

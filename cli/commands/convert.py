@@ -182,12 +182,12 @@ def _kv_dtype(args: argparse.Namespace, source) -> int:
     from eval.kv_variant_choice import CHOICE_SAMPLES, choose_kv_variant
     from foundation.atomic import check_output_dir
     from foundation.errors import KvslimError
-    from foundation.kv_dtype_mix import VARIANT_MARK
+    from foundation.kv_dtype_mix import split_variants
     from runtime.cache.kv_dtype_choices import cache_kv_dtype
 
     check_output_dir(Path(args.out), args.force)
-    base, _, how = args.kv_cache_dtype.partition(VARIANT_MARK)
-    choosing = how == "auto"
+    base, how = split_variants(args.kv_cache_dtype)
+    choosing = how == ("auto",)
     dtype = cache_kv_dtype(base if choosing else args.kv_cache_dtype)
     if dtype is None:
         raise KvslimError("--kv-cache-dtype auto is the serving default already; name a KV dtype (e.g. int4:auto)")

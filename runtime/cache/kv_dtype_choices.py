@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from foundation.errors import KvslimError
-from foundation.kv_dtype_mix import KV_VARIANTS, SEPARATOR, VARIANT_MARK, KvDtypeMix
+from foundation.kv_dtype_mix import KV_VARIANTS, SEPARATOR, KvDtypeMix, split_variants
 
 # command-line name -> the cache's KV dtype name (None: the checkpoint's kv_cache_scheme, else its
 # plan.json's, else the activation dtype)
@@ -28,13 +28,13 @@ def cache_kv_dtype(name: str, names: dict[str, str | None] = KV_CACHE_DTYPES) ->
     ``names``: spelling -> the cache's name (another caller's aliases)."""
     if name == "auto":
         return None
+    known = tuple(n for n in names if n != "auto")
     try:
-        mix = KvDtypeMix.parse(name, tuple(n for n in names if n != "auto"))
-    except KvslimError as e:
-        if VARIANT_MARK in name and "variant" in str(e):
-            raise
+        KvDtypeMix.parse(split_variants(name)[0], known)
+    except KvslimError:
         raise KvslimError(f"unknown KV cache dtype {name!r}; choose one of {', '.join(names)}, "
                           f"or FULL{SEPARATOR}WINDOWED (e.g. int8{SEPARATOR}int2)") from None
+    mix = KvDtypeMix.parse(name, known)  # the variants' own one-line errors
     return KvDtypeMix(names[mix.full], names[mix.windowed], mix.variants).name
 
 

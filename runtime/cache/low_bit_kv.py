@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from foundation.kv_dtype_mix import SEPARATOR, VARIANT_MARK
+from foundation.kv_dtype_mix import SEPARATOR, split_variants
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def default_block_size(kv_dtype: str) -> int:
     parameters cost 4 bytes per channel and head, 4 bytes per token at head_dim 64 over 64 tokens;
     16 at block 16), else 16. ``kv_dtype`` may name a mix (``int8/int2``) and variants
     (``int4:exact-first-block``)."""
-    return 64 if any(part in LOW_BIT_KV for part in kv_dtype.partition(VARIANT_MARK)[0].split(SEPARATOR)) else 16
+    return 64 if any(part in LOW_BIT_KV for part in split_variants(kv_dtype)[0].split(SEPARATOR)) else 16
 
 
 def packed_dim(head_dim: int, bits: int) -> int:

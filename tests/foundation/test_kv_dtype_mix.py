@@ -3,7 +3,7 @@ import json
 import pytest
 
 from foundation.errors import CheckpointError, KvslimError
-from foundation.kv_dtype_mix import KvDtypeMix
+from foundation.kv_dtype_mix import KvDtypeMix, split_variants
 from foundation.kv_plan_file import PLAN_KV_DTYPES, planned_kv_dtype
 
 KNOWN = ("bf16", "int8", "int4", "int2")
@@ -56,3 +56,12 @@ def test_bad_variants_are_one_line(name, message):
 def test_plan_file_carries_a_variant(tmp_path):
     (tmp_path / "plan.json").write_text(json.dumps({"kv_cache_dtype": "int4:exact-first-block"}))
     assert planned_kv_dtype(tmp_path) == "int4:exact-first-block"
+
+    (tmp_path / "plan.json").write_text(json.dumps({"kv_cache_dtype": "int4:sideways"}))
+    with pytest.raises(CheckpointError, match="plan.json: unknown KV variant 'sideways'"):
+        planned_kv_dtype(tmp_path)
+
+
+def test_split_variants():
+    assert split_variants("int8/int2:keys-unclipped+values-unrotated") == ("int8/int2", ("keys-unclipped", "values-unrotated"))
+    assert split_variants("int4") == ("int4", ())
