@@ -87,32 +87,42 @@ def pick(candidates: list[VariantCandidate]) -> VariantCandidate:
     return min(close, key=lambda c: c.kv_bytes_per_token)  # min keeps the first of equals
 
 
+def named_kv_dtype(model_dir: str | Path, kv_dtype: str, ctx: int) -> KvVariantChoice:
+    """``kv_dtype`` as named (variants too), nothing served: its bytes at ``ctx`` beside bf16's."""
+    layout = _layout(model_dir)
+    only = VariantCandidate(kv_dtype, _bytes_per_token(layout, kv_dtype, ctx), None)
+    return KvVariantChoice(only, (only,), ctx, _bytes_per_token(layout, "bf16", ctx), "none: named, not chosen")
+
+
 def choose_kv_variant(model_dir: str | Path, kv_dtype: str, ctx: int, samples: int = CHOICE_SAMPLES,
-                      progress: Callable[[str], None] = print, measure: bool = True) -> KvVariantChoice:
+                      progress: Callable[[str], None] = print) -> KvVariantChoice:
     """Serve each candidate variant of ``kv_dtype`` on the calibration retrieval prompts at ``ctx``
-    and choose by ``pick``; ``measure=False``: ``kv_dtype`` as named (variants too), nothing served."""
-    from foundation.attention_layout import AttentionLayout
-    from foundation.checkpoint import Checkpoint
-    from runtime.cache.kv_cache import KVCacheSpec
-    from runtime.cache.low_bit_kv import default_block_size
-
-    layout = AttentionLayout.from_config(Checkpoint.open(model_dir).config)
-
-    def bytes_per_token(name: str) -> float:
-        return KVCacheSpec.from_layout(layout, name, default_block_size(name)).kv_bytes_per_token(layout, ctx)
-
-    names = candidate_dtypes(kv_dtype) if measure else [kv_dtype]
-    original = bytes_per_token("bf16")
-    if len(names) == 1:  # nothing to choose between
-        only = VariantCandidate(names[0], bytes_per_token(names[0]), None)
-        return KvVariantChoice(only, (only,), ctx, original, "none: nothing to choose between")
+    and choose by ``pick`` (nothing served where there is no other candidate)."""
+    names = candidate_dtypes(kv_dtype)
+    if len(names) == 1:
+        return named_kv_dtype(model_dir, names[0], ctx)
+    layout = _layout(model_dir)
     measured = []
     logprobs, described = _served_logprobs(model_dir, ctx, samples)
     for name in names:
-        measured.append(VariantCandidate(name, bytes_per_token(name), logprobs(name)))
+        measured.append(VariantCandidate(name, _bytes_per_token(layout, name, ctx), logprobs(name)))
         progress(f"{name}: calibration answer log-prob {measured[-1].calib_logprob:.3f}, "
                  f"KV {measured[-1].kv_bytes_per_token:,.0f} B/token @{ctx}")
-    return KvVariantChoice(pick(measured), tuple(measured), ctx, original, described)
+    return KvVariantChoice(pick(measured), tuple(measured), ctx, _bytes_per_token(layout, "bf16", ctx), described)
+
+
+def _layout(model_dir: str | Path):
+    from foundation.attention_layout import AttentionLayout
+    from foundation.checkpoint import Checkpoint
+
+    return AttentionLayout.from_config(Checkpoint.open(model_dir).config)
+
+
+def _bytes_per_token(layout, kv_dtype: str, ctx: int) -> float:
+    from runtime.cache.kv_cache import KVCacheSpec
+    from runtime.cache.low_bit_kv import default_block_size
+
+    return KVCacheSpec.from_layout(layout, kv_dtype, default_block_size(kv_dtype)).kv_bytes_per_token(layout, ctx)
 
 
 def _served_logprobs(model_dir: str | Path, ctx: int, samples: int) -> tuple[Callable[[str], float], str]:

@@ -179,7 +179,7 @@ def _kv_dtype(args: argparse.Namespace, source) -> int:
     import json
 
     from eval.kv_plan import DEFAULT_PLAN_CTX, write_plan_beside_weights
-    from eval.kv_variant_choice import CHOICE_SAMPLES, choose_kv_variant
+    from eval.kv_variant_choice import CHOICE_SAMPLES, choose_kv_variant, named_kv_dtype
     from foundation.atomic import check_output_dir
     from foundation.errors import KvslimError
     from foundation.kv_dtype_mix import split_variants
@@ -195,8 +195,8 @@ def _kv_dtype(args: argparse.Namespace, source) -> int:
     samples = CHOICE_SAMPLES if args.retrieval_samples is None else args.retrieval_samples
     if samples < 1:
         raise KvslimError(f"--retrieval-samples must be at least 1, got {samples}")
-    choice = choose_kv_variant(source, dtype, ctx, samples, progress=lambda line: print(f"  {line}", flush=True),
-                               measure=choosing)
+    choice = (choose_kv_variant(source, dtype, ctx, samples, progress=lambda line: print(f"  {line}", flush=True))
+              if choosing else named_kv_dtype(source, dtype, ctx))
     out = write_plan_beside_weights(source, json.dumps(choice.plan(), indent=2), args.out, force=args.force)
     c = choice.chosen
     print(f"KV {c.kv_dtype}: {c.kv_bytes_per_token:,.0f} B/token @{ctx} = {choice.times_smaller:.2f}x smaller than "

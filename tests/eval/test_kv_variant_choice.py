@@ -24,3 +24,11 @@ def test_the_cheapest_close_to_the_best_wins():
     assert pick([close, VariantCandidate("int4:e", 102.0, -0.200)]) == close
     # equal bytes, both within the tolerance: the earlier (the runtime's default) stays
     assert pick([VariantCandidate("int4", 100.0, -0.205), VariantCandidate("int4:u", 100.0, -0.200)]).kv_dtype == "int4"
+
+
+def test_one_candidate_is_named_not_served(tiny_llama):
+    from eval.kv_variant_choice import choose_kv_variant
+
+    choice = choose_kv_variant(tiny_llama, "int2", 256, progress=lambda line: pytest.fail(f"served: {line}"))
+    assert choice.chosen.kv_dtype == "int2" and choice.chosen.calib_logprob is None and choice.candidates == (choice.chosen,)
+    assert choice.times_smaller > 1
