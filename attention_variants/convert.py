@@ -157,7 +157,10 @@ def validate(spec: ConvertSpec, config: dict) -> AttentionLayout:
             raise UnsupportedArchitecture(f"--kv-share is not supported for model_type {model_type}")
     if spec.sliding_window is not None:
         w, context = spec.sliding_window, int(config.get("max_position_embeddings") or 0)
-        if w < 1 or (context and w >= context):
+        # Heads given by the caller may take the whole context as their window (KV bits per head:
+        # eval.kv_precision_heads); a user's window must be shorter than that.
+        longest = context if spec.streaming_set is not None and not spec.sinks else context - 1
+        if w < 1 or (context and w > longest):
             raise KvslimError(f"--sliding-window {w} must be at least 1 and below the model's context ({context})")
         if layout.sliding_layers() and not spec.streams:
             raise KvslimError("--sliding-window conflicts with the model's existing sliding-window layers")

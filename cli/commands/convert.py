@@ -86,6 +86,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                            "D:auto (e.g. int4:auto) chooses D's variant for this model: each candidate served on "
                            "calibration passkey and needle prompts at --ctx, the cheapest within 0.01 of the best "
                            "answer log-probability")
+    p.add_argument("--retrieval-heads", type=float, default=None, metavar="F",
+                   help="with --kv-cache-dtype HIGH/LOW (e.g. int4/int2): this share of the KV heads, those the "
+                        "question's attention finds a fact through on calibration passkey and needle prompts at "
+                        "--ctx, keep HIGH; the rest store LOW, every head still attending to the whole context")
     p.add_argument("--min-retrieval", type=float, default=None, metavar="P",
                    help="with --kv-budget / --max-ppl-increase: keep retrieval of a fact stated once (calibration "
                         "passkey and needle prompts at --ctx, served) within P of the original's accuracy at every "
@@ -117,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 16)))
     planning = args.kv_budget is not None or args.max_ppl_increase is not None
+    if args.retrieval_heads is not None and not args.kv_cache_dtype:
+        raise KvslimError("--retrieval-heads F splits KV bits by head: give --kv-cache-dtype HIGH/LOW (e.g. int4/int2)")
     if args.ctx is not None and not planning and not args.kv_cache_dtype:
         raise KvslimError("--ctx applies to a KV plan (--kv-budget R, --max-ppl-increase P or --kv-cache-dtype D)")
     for flag, value in (("--min-retrieval", args.min_retrieval), ("--kv-dtypes", args.kv_dtypes),
@@ -186,6 +192,8 @@ def _kv_dtype(args: argparse.Namespace, source) -> int:
     from runtime.cache.kv_dtype_choices import cache_kv_dtype
 
     check_output_dir(Path(args.out), args.force)
+    if args.retrieval_heads is not None:
+        return _precision_heads(args, source)
     base, how = split_variants(args.kv_cache_dtype)
     choosing = how == ("auto",)
     dtype = cache_kv_dtype(base if choosing else args.kv_cache_dtype)
@@ -202,6 +210,30 @@ def _kv_dtype(args: argparse.Namespace, source) -> int:
     print(f"KV {c.kv_dtype}: {c.kv_bytes_per_token:,.0f} B/token @{ctx} = {choice.times_smaller:.2f}x smaller than "
           f"the bf16 original ({choice.original_kv_bytes_per_token:,.0f})")
     print(f"  wrote {out} (plan.json: compress serve / eval --backend kvslim use {c.kv_dtype} KV by default)")
+    return 0
+
+
+def _precision_heads(args: argparse.Namespace, source) -> int:
+    """``--kv-cache-dtype HIGH/LOW --retrieval-heads F``: KV bits per head (``eval.kv_precision_heads``)."""
+    from eval.kv_plan import DEFAULT_PLAN_CTX
+    from eval.kv_precision_heads import RANKING_SAMPLES, choose_precision_heads, write_precision_heads
+    from foundation.errors import KvslimError
+    from foundation.kv_dtype_mix import split_variants
+    from runtime.cache.kv_dtype_choices import cache_kv_dtype
+
+    if split_variants(args.kv_cache_dtype)[1] == ("auto",):
+        raise KvslimError("--retrieval-heads takes a named KV dtype mix (e.g. int4/int2), not a variant choice (:auto)")
+    dtype = cache_kv_dtype(args.kv_cache_dtype)
+    if dtype is None:
+        raise KvslimError("--retrieval-heads needs --kv-cache-dtype HIGH/LOW (e.g. int4/int2), not auto")
+    ctx = args.ctx or DEFAULT_PLAN_CTX
+    samples = RANKING_SAMPLES if args.retrieval_samples is None else args.retrieval_samples
+    heads = choose_precision_heads(source, dtype, args.retrieval_heads, ctx, samples,
+                                   progress=lambda line: print(f"  {line}", flush=True))
+    out = write_precision_heads(source, heads, args.out, force=args.force)
+    print(f"KV {heads.describe()}: {heads.kv_bytes_per_token:,.0f} B/token @{ctx} = {heads.times_smaller:.2f}x smaller "
+          f"than the bf16 original ({heads.original_kv_bytes_per_token:,.0f})")
+    print(f"  wrote {out} (plan.json: compress serve / eval --backend kvslim use {heads.kv_dtype} KV by default)")
     return 0
 
 
