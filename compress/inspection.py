@@ -157,7 +157,10 @@ def format_inspection(ins: Inspection, per_layer: bool = False) -> str:
     else:
         lines.append("  full attention on every layer")
     streaming = [l.streaming for l in lay.layers if l.streaming is not None]
-    if streaming:
+    if streaming and streaming[0].window >= ins.max_context and not streaming[0].sinks:  # KV bits per head
+        lines.append(f"  {lay.num_streaming_kv_heads} of {lay.num_layers * lay.num_kv_heads} KV heads ({len(streaming)} "
+                     "layers) in a cache group of their own, still attending to everything (window: every position)")
+    elif streaming:
         lines.append(f"  streaming heads: {lay.num_streaming_kv_heads} of {lay.num_layers * lay.num_kv_heads} KV heads "
                      f"({len(streaming)} layers) attend to {streaming[0].sinks} sinks + the last {streaming[0].window} "
                      "tokens; the rest to everything")

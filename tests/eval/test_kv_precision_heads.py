@@ -89,3 +89,13 @@ def test_the_cli_writes_the_split_and_refuses_what_it_cannot(tiny_with_tokenizer
         err = capsys.readouterr().err.strip()
         assert match in err or pytest.fail(err)
         assert len(err.splitlines()) == 1 and not (tmp_path / "b").exists()
+
+
+def test_inspect_says_the_lowered_heads_still_attend_to_everything(split):
+    from compress.inspection import format_inspection, inspect_checkpoint
+
+    text = format_inspection(inspect_checkpoint(split[1]))
+    lowered_layers = sum(1 for h in split[0].lowered if h)
+    assert (f"6 of 8 KV heads ({lowered_layers} layers) in a cache group of their own, still attending to everything"
+            in text)
+    assert "the plan serves it in int2" in text and "streaming heads:" not in text
