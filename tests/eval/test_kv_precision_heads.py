@@ -99,3 +99,15 @@ def test_inspect_says_the_lowered_heads_still_attend_to_everything(split):
     assert (f"6 of 8 KV heads ({lowered_layers} layers) in a cache group of their own, still attending to everything"
             in text)
     assert "the plan serves it in int2" in text and "streaming heads:" not in text
+
+
+def test_the_calibration_benchmark_serves_each_row(tiny_with_tokenizer, tmp_path):
+    from tests.benchmark_scripts import load_benchmark
+
+    out = tmp_path / "heads.json"
+    args = [str(tiny_with_tokenizer), "--rows", "bf16", "0.25@int4/int2", "--ctx", str(CTX), "--samples", "1",
+            "--ranking-samples", "1", "--json", str(out)]
+    assert load_benchmark("kv_precision_heads_calib").main(args) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["row"] for r in rows] == ["bf16", "0.25@int4/int2"] and all(r["prompts"] == 10 for r in rows)
+    assert rows[1]["kv_bytes_per_token"] < rows[0]["kv_bytes_per_token"] and rows[0]["times_smaller"] == 1.0

@@ -1,0 +1,103 @@
+"""KV bits per head on calibration data: what share of the heads that retrieve keeps int4.
+
+Each row serves the checkpoint through the runtime with its KV cache really quantized and reports
+the bytes per token at ``--ctx`` (by allocation), the dev-slice perplexity the planner uses
+(``wikipedia:calib`` tokens [2N, 4N)), and the mean answer log-probability of calibration retrieval
+prompts (``passkey_calib`` + ``needle_calib``, ``--samples`` a depth, teacher-forced as served:
+``eval.retrieval_logprob``) with how many are greedy's answer. A row is a KV dtype (``int4``), or
+``SHARE@HIGH/LOW`` (``0.2@int4/int2``): the heads ranked by ``eval.kv_precision_heads`` on
+``--ranking-samples`` prompts a depth, the top share in HIGH, the rest in LOW. Never evaluation text.
+
+    python benchmarks/kv_precision_heads_calib.py smollm2 --rows bf16 int4 int2 k3v2 0.2@int4/int2 \\
+        0.4@int4/int2 --ranking-samples 1 --json benchmarks/results/kv_precision_heads_calib.json
+
+``--lowered-first-block-exact`` simulates the lowered heads keeping each sequence's first block
+exact, as full-attention int2 does (the runtime keeps it for full-attention groups only).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+PREFILL_CHUNK = 1024  # LLM's default
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("checkpoint", help="a full-attention checkpoint dir or a model name (smollm2)")
+    ap.add_argument("--rows", nargs="+", default=["bf16", "int4", "int2", "0.2@int4/int2"])
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--samples", type=int, default=4, help="measured prompts per task and depth")
+    ap.add_argument("--ranking-samples", type=int, default=4, help="prompts per task and depth the heads are ranked on")
+    ap.add_argument("--lowered-first-block-exact", action="store_true")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from eval.kv_plan import CALIB_SEQS, DEV_WINDOWS, KvChoice, allocated_bytes, original_bytes
+    from eval.kv_plan_measurements import served_engine, served_perplexity
+    from eval.kv_precision_heads import choose_precision_heads
+    from eval.retrieval_logprob import answer_ids, answer_logprobs
+    from eval.retrieval_task import RetrievalTask
+    from foundation.calibration import CalibrationSpec, load_tokenizer, token_windows
+    from foundation.checkpoint import Checkpoint
+    from foundation.errors import KvslimError
+    from foundation.model_source import resolve_model
+    from foundation.texts import DEFAULT_CALIB
+
+    if args.lowered_first_block_exact:
+        import runtime.cache.kv_cache as kv_cache
+
+        kv_cache.CacheGroup.exact_first_block = property(  # simulation only: whole-context windows too
+            lambda g: g.recipe is not None and g.recipe.exact_first_block and (g.kind == "full" or g.sinks == 0))
+    try:
+        path = resolve_model(args.checkpoint)
+        config = Checkpoint.open(path).config
+        tok = load_tokenizer(path)
+        spec = CalibrationSpec(source=DEFAULT_CALIB, num_samples=CALIB_SEQS + DEV_WINDOWS, seq_len=args.ctx)
+        dev = token_windows(tok(spec.load_text(), add_special_tokens=False)["input_ids"], spec)[CALIB_SEQS:].flatten()
+        prompts = [p for name in ("passkey_calib", "needle_calib")
+                   for p in RetrievalTask(name, (args.ctx,), (0, 25, 50, 75, 100), args.samples).prompts(tok)]
+        encoded = [answer_ids(tok, p.text, p.answer) for p in prompts]
+        rows = []
+        for label in args.rows:
+            start = time.time()
+            share, _, dtype = label.rpartition("@")
+            layout = dict(config)
+            if share:
+                heads = choose_precision_heads(path, dtype, float(share), args.ctx, args.ranking_samples, lambda _: None)
+                layout = KvChoice(dtype, heads.window, (), 0, heads.lowered).config(config)
+            ppl = served_perplexity(path, layout, dtype, dev, "dev", args.ctx)
+            by_depth: dict[int, list[float]] = {}
+            hits = 0
+            with served_engine(path, layout, dtype, args.ctx) as engine:
+                for p, (prompt, answer) in zip(prompts, encoded):
+                    lp, hit = answer_logprobs(engine, prompt, answer, PREFILL_CHUNK)
+                    by_depth.setdefault(p.depth, []).append(float(lp.mean()))
+                    hits += hit
+            every = [x for xs in by_depth.values() for x in xs]
+            nbytes = allocated_bytes(layout, dtype, args.ctx)
+            rows.append({"row": label, "kv_bytes_per_token": nbytes,
+                         "times_smaller": original_bytes(config, args.ctx) / nbytes, "dev_ppl": ppl,
+                         "calib_logprob": sum(every) / len(every), "argmax": hits, "prompts": len(every),
+                         "logprob_by_depth": {str(d): sum(v) / len(v) for d, v in sorted(by_depth.items())}})
+            print(f"{label:>24}  {nbytes:8,.0f} B/token  dev ppl {ppl:7.3f}  log-prob {rows[-1]['calib_logprob']:7.3f}  "
+                  f"argmax {hits}/{len(every)}  ({time.time() - start:.0f} s)", flush=True)
+    except KvslimError as e:
+        print(f"kv_precision_heads_calib: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        doc = {"checkpoint": str(args.checkpoint), "ctx": args.ctx, "samples": args.samples,
+               "ranking_samples": args.ranking_samples, "lowered_first_block_exact": args.lowered_first_block_exact,
+               "torch_threads": torch.get_num_threads(), "rows": rows}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
