@@ -40,6 +40,10 @@ def test_the_split_changes_no_logit(tiny_with_tokenizer, split):
     logits = [AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, trust_remote_code=True)(ids).logits
               for d in (tiny_with_tokenizer, out)]
     torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
+    # transformers without the modeling file (vLLM alike) reads the original model
+    plain = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert type(plain).__name__ == "LlamaForCausalLM"
+    torch.testing.assert_close(plain(ids).logits, logits[0], atol=1e-5, rtol=1e-5)
 
 
 def test_the_runtime_serves_the_mix_by_head_and_holds_the_counted_bytes(split):
