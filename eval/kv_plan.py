@@ -23,7 +23,9 @@ depth) on calibration retrieval prompts (``eval.retrieval_task``'s ``*_calib`` w
 heads are then chosen DuoAttention's way, by the attention the question puts on the fact in those
 retrieval prompts (``attention_variants.retrieval_heads``), instead of by attention mass beyond the
 window on ordinary text (which keeps perplexity as well and lost the early facts in every plan
-measured). The candidates best by dev perplexity are checked in that
+measured). With a ``HIGH/LOW`` mix among the dtypes, the retrieval heads may also keep ``HIGH``
+while the others store ``LOW`` over the whole context (KV bits per head, ``eval.kv_precision_heads``).
+The candidates best by dev perplexity are checked in that
 order (at most ``RETRIEVAL_CHECKS``) and the first within the bound is chosen; where none is, the
 one that keeps the most retrieval, and ``plan.json`` says the bound was missed.
 """
@@ -43,7 +45,7 @@ from foundation.attention_layout import FULL, SINKS_KEY, SLIDING, STREAMING_KEY,
 from foundation.calibration import CalibrationSpec, load_tokenizer, token_windows
 from foundation.checkpoint import Checkpoint
 from foundation.errors import KvslimError
-from foundation.kv_dtype_mix import SEPARATOR
+from foundation.kv_dtype_mix import SEPARATOR, VARIANT_MARK
 from foundation.kv_plan_file import PLAN_FILE, PLANNER_KV_DTYPES
 from foundation.texts import DEFAULT_CALIB
 
@@ -70,10 +72,15 @@ class KvChoice:
     sinks: int = 0
     streaming: tuple[tuple[int, ...], ...] | None = None  # per layer, the KV heads streaming (else by layer)
     heads_by: str | None = None  # streaming heads: ranked by "mass" (beyond the window) or "retrieval"
+    whole_context: bool = False  # streaming heads whose window is every position: KV bits per head
 
     def describe(self, num_layers: int) -> str:
         if self.window is None:
             return f"{self.kv_dtype} KV, full attention"
+        if self.whole_context:
+            high, low = self.kv_dtype.split(VARIANT_MARK)[0].split(SEPARATOR)
+            n = sum(map(len, self.streaming))
+            return f"{self.kv_dtype} KV by head: {n} KV heads in {low}, the rest in {high} (by {self.heads_by}), whole context"
         if self.streaming is not None:
             n = sum(map(len, self.streaming))
             by = f" (full heads by {self.heads_by})" if self.heads_by else ""
@@ -249,13 +256,39 @@ def head_candidates(config: dict, ctx: int, budget_bytes: float | None, head_ran
     return out
 
 
+def precision_head_candidates(config: dict, ctx: int, budget_bytes: float | None, original: float, dtype: str,
+                              retrieval_ranking: list[tuple[int, int]]) -> list[Candidate]:
+    """KV bits per head (``eval.kv_precision_heads``) for a ``HIGH/LOW`` mix: the most top-ranked
+    heads in HIGH the budget allows, the rest in LOW over the whole context (without a budget: a
+    fifth and two fifths of the heads in HIGH). Bytes by allocation."""
+    n, kvh = int(config["num_hidden_layers"]), int(config.get("num_key_value_heads") or config["num_attention_heads"])
+    positions, total = int(config["max_position_embeddings"]), n * kvh
+
+    def measured(k: int) -> Candidate:
+        kept = set(retrieval_ranking[:k])
+        lowered = tuple(tuple(h for h in range(kvh) if (layer, h) not in kept) for layer in range(n))
+        choice = KvChoice(dtype, positions, (), 0, lowered, "retrieval", whole_context=True)
+        nbytes = allocated_bytes(choice.config(config), dtype, ctx)
+        return Candidate(choice, nbytes, original / nbytes)
+
+    if budget_bytes is None:
+        return [measured(k) for k in sorted({max(1, total // 5), max(1, 2 * total // 5)}) if k < total]
+    lo, hi = 0, total - 1  # the most heads in HIGH within the budget: bytes grow with k
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if measured(mid).kv_bytes_per_token <= budget_bytes else (lo, mid - 1)
+    best = measured(lo) if lo >= 1 else None
+    return [best] if best is not None and best.kv_bytes_per_token <= budget_bytes else []
+
+
 def candidates(config: dict, ctx: int, budget_bytes: float | None, ranking: dict[int, list[int]],
                original: float, dtypes: tuple[str, ...] = PLAN_DTYPES,
                head_ranking: dict[int, list[tuple[int, int]]] | None = None,
                retrieval_ranking: list[tuple[int, int]] | None = None) -> list[Candidate]:
     """Every choice to serve, with its bytes: per dtype, full attention, and per window the most
     full layers the budget allows (without a budget: a ladder of full-layer counts), and with
-    ``head_ranking`` the most full KV heads (``head_candidates``). ``ranking[W]``: the layers by
+    ``head_ranking`` the most full KV heads (``head_candidates``); for a ``HIGH/LOW`` mix with
+    ``retrieval_ranking``, KV bits per head too (``precision_head_candidates``). ``ranking[W]``: the layers by
     attention mass beyond W, most first; ``original``: ``original_bytes``."""
     n = int(config["num_hidden_layers"])
     out = []
@@ -282,6 +315,8 @@ def candidates(config: dict, ctx: int, budget_bytes: float | None, ranking: dict
         if head_ranking:
             out += head_candidates(config, ctx, budget_bytes, head_ranking, original, dtype, layer_counts,
                                    retrieval_ranking)
+        if retrieval_ranking and SEPARATOR in dtype and config.get("max_position_embeddings"):
+            out += precision_head_candidates(config, ctx, budget_bytes, original, dtype, retrieval_ranking)
     unique = {(c.choice.kv_dtype, c.choice.window, c.choice.global_layers, c.choice.streaming): c
               for c in reversed(out)}
     return sorted(unique.values(), key=lambda c: c.kv_bytes_per_token)  # fewest bytes first (one of each layout)

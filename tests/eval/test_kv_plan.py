@@ -78,6 +78,38 @@ def test_a_kv_dtype_mix_buys_more_full_heads(tiny_llama):
     assert windowed == layer_bytes(config, "int2", WINDOWS[0], CTX)[1]
 
 
+def test_a_kv_dtype_mix_with_a_retrieval_ranking_offers_bits_per_head(tiny_llama, tmp_path):
+    """HIGH/LOW by head over the whole context: the most top-ranked heads in HIGH the budget allows
+    (one more would not fit), by allocation; without a budget a fifth and two fifths of them."""
+    from eval.kv_plan import KvPlan, allocated_bytes
+
+    config = Checkpoint.open(tiny_llama).config
+    original = original_bytes(config, CTX)
+    ranked = [(3, 1), (1, 0), (0, 0), (2, 1), (3, 0), (1, 1), (0, 1), (2, 0)]
+    budget = 0.22 * original
+
+    def by_head(budget_bytes):
+        return [c for c in candidates(config, CTX, budget_bytes, {}, original, ("int4/int2",), None, ranked)
+                if c.choice.whole_context]
+
+    (best,), ladder = by_head(budget), by_head(None)
+    kept = {(layer, h) for layer in range(4) for h in range(2) if h not in best.choice.streaming[layer]}
+    assert best.kv_bytes_per_token <= budget and kept == set(ranked[:len(kept)]) and 1 <= len(kept) < 8
+    one_more = set(ranked[:len(kept) + 1])
+    lowered = tuple(tuple(h for h in range(2) if (layer, h) not in one_more) for layer in range(4))
+    more = KvChoice("int4/int2", 512, (), 0, lowered, "retrieval", whole_context=True)
+    assert allocated_bytes(more.config(config), "int4/int2", CTX) > budget
+    assert [8 - sum(map(len, c.choice.streaming)) for c in ladder] == [1, 3]
+    assert best.choice.describe(4) == (f"int4/int2 KV by head: {8 - len(kept)} KV heads in int2, the rest in int4 "
+                                       "(by retrieval), whole context")
+    assert not by_head(0.01 * original)  # not one head fits
+    assert not [c for c in candidates(config, CTX, budget, {}, original, ("int4",), None, ranked) if c.choice.whole_context]
+
+    plan = KvPlan(CTX, 0.22, None, 4, original, 10.0, best, (best,), "calib", "dev")
+    out = write_planned_checkpoint(tiny_llama, plan, tmp_path / "by_head")
+    assert json.loads((out / "config.json").read_text())["streaming_heads"]["window"] == 512
+
+
 def test_convert_takes_a_kv_dtype_mix_and_refuses_a_bad_one(capsys):
     from cli.commands.convert import plan_kv_dtype_arg
 
