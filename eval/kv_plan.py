@@ -80,7 +80,8 @@ class KvChoice:
         if self.whole_context:
             high, low = self.kv_dtype.split(VARIANT_MARK)[0].split(SEPARATOR)
             n = sum(map(len, self.streaming))
-            return f"{self.kv_dtype} KV by head: {n} KV heads in {low}, the rest in {high} (by {self.heads_by}), whole context"
+            return (f"{self.kv_dtype} KV by head: {n} KV heads in {low}, the rest in {high} (by {self.heads_by}), "
+                    "whole context")
         if self.streaming is not None:
             n = sum(map(len, self.streaming))
             by = f" (full heads by {self.heads_by})" if self.heads_by else ""
@@ -264,9 +265,10 @@ def precision_head_candidates(config: dict, ctx: int, budget_bytes: float | None
     n, kvh = int(config["num_hidden_layers"]), int(config.get("num_key_value_heads") or config["num_attention_heads"])
     positions, total = int(config["max_position_embeddings"]), n * kvh
 
+    from eval.kv_precision_heads import split_by_rank
+
     def measured(k: int) -> Candidate:
-        kept = set(retrieval_ranking[:k])
-        lowered = tuple(tuple(h for h in range(kvh) if (layer, h) not in kept) for layer in range(n))
+        _, lowered = split_by_rank(retrieval_ranking, k, n, kvh)
         choice = KvChoice(dtype, positions, (), 0, lowered, "retrieval", whole_context=True)
         nbytes = allocated_bytes(choice.config(config), dtype, ctx)
         return Candidate(choice, nbytes, original / nbytes)

@@ -55,6 +55,15 @@ class PrecisionHeads:
                 "times_smaller": round(self.times_smaller, 3), "retrieval_prompts": self.prompts}
 
 
+def split_by_rank(ranked: list[tuple[int, int]], k: int, layers: int,
+                  kv_heads: int) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+    """Per layer, (the KV heads among ``ranked``'s first ``k``, the others)."""
+    keep = set(ranked[:k])
+    kept = tuple(tuple(h for h in range(kv_heads) if (layer, h) in keep) for layer in range(layers))
+    lowered = tuple(tuple(h for h in range(kv_heads) if (layer, h) not in keep) for layer in range(layers))
+    return kept, lowered
+
+
 def check_request(config: dict, kv_dtype: str, fraction: float, ctx: int) -> tuple[int, int]:
     """One line for what cannot be split by head; else (layers, KV heads per layer)."""
     from foundation.attention_layout import AttentionLayout
@@ -100,9 +109,8 @@ def choose_precision_heads(model_dir: str | Path, kv_dtype: str, fraction: float
                  "KV heads ranked by the attention the question puts on the fact")
     progress(f"ranking KV heads on {described.split(';')[0]}")
     ranked = retrieval_rank(ckpt.path, tokenizer, prompts)
-    keep = set(ranked[:min(layers * heads - 1, max(1, round(fraction * layers * heads)))])
-    kept = tuple(tuple(h for h in range(heads) if (layer, h) in keep) for layer in range(layers))
-    lowered = tuple(tuple(h for h in range(heads) if (layer, h) not in keep) for layer in range(layers))
+    kept, lowered = split_by_rank(ranked, min(layers * heads - 1, max(1, round(fraction * layers * heads))),
+                                  layers, heads)
     window = int(ckpt.config["max_position_embeddings"])
     layout = KvChoice(kv_dtype, window, (), 0, lowered).config(ckpt.config)
     return PrecisionHeads(kv_dtype, kept, lowered, window, ctx, allocated_bytes(layout, kv_dtype, ctx),
