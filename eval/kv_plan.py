@@ -45,7 +45,7 @@ from foundation.attention_layout import FULL, SINKS_KEY, SLIDING, STREAMING_KEY,
 from foundation.calibration import CalibrationSpec, load_tokenizer, token_windows
 from foundation.checkpoint import Checkpoint
 from foundation.errors import KvslimError
-from foundation.kv_dtype_mix import SEPARATOR, VARIANT_MARK
+from foundation.kv_dtype_mix import SEPARATOR, split_variants
 from foundation.kv_plan_file import PLAN_FILE, PLANNER_KV_DTYPES
 from foundation.texts import DEFAULT_CALIB
 
@@ -78,7 +78,7 @@ class KvChoice:
         if self.window is None:
             return f"{self.kv_dtype} KV, full attention"
         if self.whole_context:
-            high, low = self.kv_dtype.split(VARIANT_MARK)[0].split(SEPARATOR)
+            high, low = split_variants(self.kv_dtype)[0].split(SEPARATOR)
             n = sum(map(len, self.streaming))
             return (f"{self.kv_dtype} KV by head: {n} KV heads in {low}, the rest in {high} (by {self.heads_by}), "
                     "whole context")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from foundation.errors import KvslimError
+from foundation.kv_dtype_mix import SEPARATOR, split_variants
 
 RANKING_SAMPLES = 4  # calibration prompts per task and depth the heads are ranked on
 
@@ -42,7 +43,7 @@ class PrecisionHeads:
         return self.original_kv_bytes_per_token / self.kv_bytes_per_token
 
     def describe(self) -> str:
-        high, low = self.kv_dtype.split(":")[0].split("/")
+        high, low = split_variants(self.kv_dtype)[0].split(SEPARATOR)
         kept, total = sum(map(len, self.kept)), sum(map(len, self.kept)) + sum(map(len, self.lowered))
         return f"{high} KV for the {kept} of {total} KV heads that retrieve, {low} for the rest (whole context)"
 
