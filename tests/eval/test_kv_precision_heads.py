@@ -1,5 +1,5 @@
 """KV bits per head on a tiny random Llama with the default model's tokenizer: the split is exact
-attention (logits unchanged in bf16-free fp32 KV), the retrieval heads are the ranking's top, the
+attention (logits unchanged), the retrieval heads are the ranking's top, the
 runtime serves the mix by default, the bytes are the allocator's, and bad requests are one line."""
 import json
 
