@@ -178,14 +178,20 @@ def check_request(config: dict, budget: float | None, max_ppl_increase: float | 
         raise KvslimError(f"--kv-budget {budget} must be a fraction of the original's KV bytes in (0, 1]")
     if max_ppl_increase is not None and not max_ppl_increase >= 0:
         raise KvslimError(f"--max-ppl-increase {max_ppl_increase} must be 0 or more (0.1 = +10%)")
+    return full_attention_layout(config, ctx, "--kv-budget plans", "plan the KV layout")
+
+
+def full_attention_layout(config: dict, ctx: int, what: str, instead: str) -> AttentionLayout:
+    """The layout of an unquantized full-attention checkpoint without KV sharing, with ``ctx`` in its
+    positions; else one line (``what``: the refusing flag's phrase, ``instead``: what to do first)."""
     if config.get("quantization_config"):
-        raise KvslimError("checkpoint is quantized; plan the KV layout on unquantized weights, then quantize")
+        raise KvslimError(f"checkpoint is quantized; {instead} on unquantized weights, then quantize")
     positions = int(config.get("max_position_embeddings") or 0)
     if ctx < 2 or (positions and ctx > positions):
         raise KvslimError(f"--ctx {ctx} must be between 2 and the model's context ({positions})")
     layout = AttentionLayout.from_config(config)
     if layout.sliding_layers() or layout.streaming_layers() or len(layout.cache_owners()) != layout.num_layers:
-        raise KvslimError("--kv-budget plans from a full-attention checkpoint without KV sharing "
+        raise KvslimError(f"{what} from a full-attention checkpoint without KV sharing "
                           "(this one has sliding, streaming-head or KV-sharing layers)")
     return layout
 

@@ -67,7 +67,7 @@ def split_by_rank(ranked: list[tuple[int, int]], k: int, layers: int,
 
 def check_request(config: dict, kv_dtype: str, fraction: float, ctx: int) -> tuple[int, int]:
     """One line for what cannot be split by head; else (layers, KV heads per layer)."""
-    from foundation.attention_layout import AttentionLayout
+    from eval.kv_plan import full_attention_layout
     from foundation.kv_dtype_mix import KvDtypeMix
     from runtime.cache.kv_cache import CACHE_DTYPES
 
@@ -77,17 +77,9 @@ def check_request(config: dict, kv_dtype: str, fraction: float, ctx: int) -> tup
                           f"in int4, the rest in int2), not {kv_dtype}")
     if not 0 < fraction < 1:
         raise KvslimError(f"--retrieval-heads {fraction:g} must be a share of the KV heads in (0, 1)")
-    if config.get("quantization_config"):
-        raise KvslimError("checkpoint is quantized; split KV heads on unquantized weights, then quantize")
-    layout = AttentionLayout.from_config(config)
-    if layout.sliding_layers() or layout.streaming_layers() or len(layout.cache_owners()) != layout.num_layers:
-        raise KvslimError("--retrieval-heads splits a full-attention checkpoint without KV sharing "
-                          "(this one has sliding, streaming-head or KV-sharing layers)")
-    positions = int(config.get("max_position_embeddings") or 0)
-    if not positions:
+    if not config.get("max_position_embeddings"):
         raise KvslimError("config has no max_position_embeddings: the lowered heads' whole-context window is unknown")
-    if not 2 <= ctx <= positions:
-        raise KvslimError(f"--ctx {ctx} must be between 2 and the model's context ({positions})")
+    layout = full_attention_layout(config, ctx, "--retrieval-heads splits", "split KV heads")
     return layout.num_layers, layout.layers[0].num_kv_heads
 
 

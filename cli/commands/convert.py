@@ -192,14 +192,16 @@ def _kv_dtype(args: argparse.Namespace, source) -> int:
     from runtime.cache.kv_dtype_choices import cache_kv_dtype
 
     check_output_dir(Path(args.out), args.force)
-    if args.retrieval_heads is not None:
-        return _precision_heads(args, source)
     base, how = split_variants(args.kv_cache_dtype)
     choosing = how == ("auto",)
     dtype = cache_kv_dtype(base if choosing else args.kv_cache_dtype)
     if dtype is None:
         raise KvslimError("--kv-cache-dtype auto is the serving default already; name a KV dtype (e.g. int4:auto)")
     ctx = args.ctx or DEFAULT_PLAN_CTX
+    if args.retrieval_heads is not None:
+        if choosing:
+            raise KvslimError("--retrieval-heads takes a named KV dtype mix (e.g. int4/int2), not a variant choice (:auto)")
+        return _precision_heads(args, source, dtype, ctx)
     samples = CHOICE_SAMPLES if args.retrieval_samples is None else args.retrieval_samples
     if samples < 1:
         raise KvslimError(f"--retrieval-samples must be at least 1, got {samples}")
@@ -213,20 +215,10 @@ def _kv_dtype(args: argparse.Namespace, source) -> int:
     return 0
 
 
-def _precision_heads(args: argparse.Namespace, source) -> int:
+def _precision_heads(args: argparse.Namespace, source, dtype: str, ctx: int) -> int:
     """``--kv-cache-dtype HIGH/LOW --retrieval-heads F``: KV bits per head (``eval.kv_precision_heads``)."""
-    from eval.kv_plan import DEFAULT_PLAN_CTX
     from eval.kv_precision_heads import RANKING_SAMPLES, choose_precision_heads, write_precision_heads
-    from foundation.errors import KvslimError
-    from foundation.kv_dtype_mix import split_variants
-    from runtime.cache.kv_dtype_choices import cache_kv_dtype
 
-    if split_variants(args.kv_cache_dtype)[1] == ("auto",):
-        raise KvslimError("--retrieval-heads takes a named KV dtype mix (e.g. int4/int2), not a variant choice (:auto)")
-    dtype = cache_kv_dtype(args.kv_cache_dtype)
-    if dtype is None:
-        raise KvslimError("--retrieval-heads needs --kv-cache-dtype HIGH/LOW (e.g. int4/int2), not auto")
-    ctx = args.ctx or DEFAULT_PLAN_CTX
     samples = RANKING_SAMPLES if args.retrieval_samples is None else args.retrieval_samples
     heads = choose_precision_heads(source, dtype, args.retrieval_heads, ctx, samples,
                                    progress=lambda line: print(f"  {line}", flush=True))
