@@ -79,7 +79,7 @@ def check_request(config: dict, kv_dtype: str, fraction: float, ctx: int) -> tup
         raise KvslimError(f"--retrieval-heads {fraction:g} must be a share of the KV heads in (0, 1)")
     if not config.get("max_position_embeddings"):
         raise KvslimError("config has no max_position_embeddings: the lowered heads' whole-context window is unknown")
-    layout = full_attention_layout(config, ctx, "--retrieval-heads splits", "split KV heads")
+    layout = full_attention_layout(config, ctx, "--retrieval-heads works", "split KV heads")
     return layout.num_layers, layout.layers[0].num_kv_heads
 
 
