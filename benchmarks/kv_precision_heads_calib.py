@@ -3,10 +3,12 @@
 Each row serves the checkpoint through the runtime with its KV cache really quantized and reports
 the bytes per token at ``--ctx`` (by allocation), the dev-slice perplexity the planner uses
 (``wikipedia:calib`` tokens [2N, 4N)), and the mean answer log-probability of calibration retrieval
-prompts (``passkey_calib`` + ``needle_calib``, ``--samples`` a depth, teacher-forced as served:
+prompts (``--tasks``, default ``passkey_calib`` + ``needle_calib``, ``--samples`` a depth after the
+``--ranking-samples`` the heads are ranked on, so never those; teacher-forced as served:
 ``eval.retrieval_logprob``) with how many are greedy's answer. A row is a KV dtype (``int4``), or
 ``SHARE@HIGH/LOW`` (``0.2@int4/int2``): the heads ranked by ``eval.kv_precision_heads`` on
-``--ranking-samples`` prompts a depth, the top share in HIGH, the rest in LOW. Never evaluation text.
+``--ranking-samples`` prompts a depth of ``--ranking-tasks``, the top share in HIGH, the rest in LOW.
+Never evaluation text.
 
     python benchmarks/kv_precision_heads_calib.py smollm2 --rows bf16 int4 int2 k3v2 0.2@int4/int2 \\
         0.4@int4/int2 --ranking-samples 1 --json benchmarks/results/kv_precision_heads_calib.json
@@ -32,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--samples", type=int, default=4, help="measured prompts per task and depth")
     ap.add_argument("--ranking-samples", type=int, default=4, help="prompts per task and depth the heads are ranked on")
+    ap.add_argument("--tasks", nargs="+", default=["passkey_calib", "needle_calib"], help="calibration tasks measured")
+    ap.add_argument("--ranking-tasks", nargs="+", default=None,
+                    help="calibration tasks the heads are ranked on (default: eval.kv_precision_heads')")
     ap.add_argument("--lowered-first-block-exact", action="store_true")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -40,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from eval.kv_plan import CALIB_SEQS, DEV_WINDOWS, KvChoice, allocated_bytes, original_bytes
     from eval.kv_plan_measurements import served_engine, served_perplexity
-    from eval.kv_precision_heads import choose_precision_heads
+    from eval.kv_precision_heads import RANKING_TASKS, choose_precision_heads
     from eval.retrieval_logprob import answer_ids, answer_logprobs
     from eval.retrieval_task import RetrievalTask
     from foundation.calibration import CalibrationSpec, load_tokenizer, token_windows
@@ -60,8 +65,12 @@ def main(argv: list[str] | None = None) -> int:
         tok = load_tokenizer(path)
         spec = CalibrationSpec(source=DEFAULT_CALIB, num_samples=CALIB_SEQS + DEV_WINDOWS, seq_len=args.ctx)
         dev = token_windows(tok(spec.load_text(), add_special_tokens=False)["input_ids"], spec)[CALIB_SEQS:].flatten()
-        prompts = [p for name in ("passkey_calib", "needle_calib")
-                   for p in RetrievalTask(name, (args.ctx,), (0, 25, 50, 75, 100), args.samples).prompts(tok)]
+        # measured prompts follow the ranked ones in each depth's seeded sequence: never ranked on
+        every_prompt = args.ranking_samples + args.samples
+        named = [(name, p) for name in args.tasks
+                 for i, p in enumerate(RetrievalTask(name, (args.ctx,), (0, 25, 50, 75, 100), every_prompt).prompts(tok))
+                 if i % every_prompt >= args.ranking_samples]
+        names, prompts = [n for n, _ in named], [p for _, p in named]
         encoded = [answer_ids(tok, p.text, p.answer) for p in prompts]
         rows = []
         for label in args.rows:
@@ -69,30 +78,36 @@ def main(argv: list[str] | None = None) -> int:
             share, _, dtype = label.rpartition("@")
             layout = dict(config)
             if share:
-                heads = choose_precision_heads(path, dtype, float(share), args.ctx, args.ranking_samples, lambda _: None)
+                heads = choose_precision_heads(path, dtype, float(share), args.ctx, args.ranking_samples,
+                                               tuple(args.ranking_tasks or RANKING_TASKS), lambda _: None)
                 layout = KvChoice(dtype, heads.window, (), 0, heads.lowered).config(config)
             ppl = served_perplexity(path, layout, dtype, dev, "dev", args.ctx)
             by_depth: dict[int, list[float]] = {}
+            by_task: dict[str, list[float]] = {}
             hits = 0
             with served_engine(path, layout, dtype, args.ctx) as engine:
-                for p, (prompt, answer) in zip(prompts, encoded):
+                for task, p, (prompt, answer) in zip(names, prompts, encoded):
                     lp, hit = answer_logprobs(engine, prompt, answer, PREFILL_CHUNK)
                     by_depth.setdefault(p.depth, []).append(float(lp.mean()))
+                    by_task.setdefault(task, []).append(float(lp.mean()))
                     hits += hit
             every = [x for xs in by_depth.values() for x in xs]
             nbytes = allocated_bytes(layout, dtype, args.ctx)
             rows.append({"row": label, "kv_bytes_per_token": nbytes,
                          "times_smaller": original_bytes(config, args.ctx) / nbytes, "dev_ppl": ppl,
                          "calib_logprob": sum(every) / len(every), "argmax": hits, "prompts": len(every),
-                         "logprob_by_depth": {str(d): sum(v) / len(v) for d, v in sorted(by_depth.items())}})
+                         "logprob_by_depth": {str(d): sum(v) / len(v) for d, v in sorted(by_depth.items())},
+                         "logprob_by_task": {t: sum(v) / len(v) for t, v in by_task.items()}})
+            per_task = "  ".join(f"{t} {v:.3f}" for t, v in rows[-1]["logprob_by_task"].items())
             print(f"{label:>24}  {nbytes:8,.0f} B/token  dev ppl {ppl:7.3f}  log-prob {rows[-1]['calib_logprob']:7.3f}  "
-                  f"argmax {hits}/{len(every)}  ({time.time() - start:.0f} s)", flush=True)
+                  f"({per_task})  argmax {hits}/{len(every)}  ({time.time() - start:.0f} s)", flush=True)
     except KvslimError as e:
         print(f"kv_precision_heads_calib: {e}", file=sys.stderr)
         return 2
     if args.json:
-        doc = {"checkpoint": str(args.checkpoint), "ctx": args.ctx, "samples": args.samples,
-               "ranking_samples": args.ranking_samples, "lowered_first_block_exact": args.lowered_first_block_exact,
+        doc = {"checkpoint": str(args.checkpoint), "ctx": args.ctx, "samples": args.samples, "tasks": args.tasks,
+               "ranking_samples": args.ranking_samples, "ranking_tasks": args.ranking_tasks or list(RANKING_TASKS),
+               "lowered_first_block_exact": args.lowered_first_block_exact,
                "torch_threads": torch.get_num_threads(), "rows": rows}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1) + "\n")

@@ -335,14 +335,14 @@ def within(retrieval: dict[int, float], original: dict[int, float], drop: float)
     return all(retrieval.get(d, 0.0) >= acc - drop - 1e-9 for d, acc in original.items())
 
 
-def retrieval_prompts(tokenizer, ctx: int, samples: int = RETRIEVAL_SAMPLES) -> list:
+def retrieval_prompts(tokenizer, ctx: int, samples: int = RETRIEVAL_SAMPLES,
+                      tasks: tuple[str, ...] = RETRIEVAL_CALIB) -> list:
     """The calibration retrieval prompts at ``ctx`` (``eval.retrieval_task``, calibration wording),
     ``samples`` per task and depth."""
     from eval.retrieval_task import RetrievalTask
 
-    tasks = [RetrievalTask(name, contexts=(ctx,), depths=RETRIEVAL_DEPTHS, samples=samples)
-             for name in RETRIEVAL_CALIB]
-    return [p for task in tasks for p in task.prompts(tokenizer)]
+    return [p for name in tasks
+            for p in RetrievalTask(name, contexts=(ctx,), depths=RETRIEVAL_DEPTHS, samples=samples).prompts(tokenizer)]
 
 
 def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase: float | None = None,

@@ -31,6 +31,19 @@ def test_the_top_ranked_share_keeps_the_high_dtype(tiny_with_tokenizer, split, m
     assert again.kept == ((0,), (), (), (1,)) and again.lowered == ((1,), (0, 1), (0, 1), (0,))
 
 
+def test_the_heads_are_ranked_on_the_calibration_tasks_asked(tiny_with_tokenizer, monkeypatch):
+    import eval.kv_plan_measurements as measurements
+
+    seen = []
+    monkeypatch.setattr(measurements, "retrieval_rank", lambda _path, _tok, prompts: seen.extend(prompts) or
+                        [(layer, h) for layer in range(4) for h in range(2)])
+    tasks = ("needle_calib", "needle_code_calib")
+    heads = choose_precision_heads(tiny_with_tokenizer, "int4/int2", 0.25, CTX, samples=2, tasks=tasks,
+                                   progress=lambda _: None)
+    assert len(seen) == 2 * 5 * 2 and "needle_code_calib" in heads.prompts
+    assert sum("secret number for this week" in p.text for p in seen) == 10
+
+
 def test_the_split_changes_no_logit(tiny_with_tokenizer, split):
     """Streaming heads whose window is every position, without sinks: the original's attention."""
     from transformers import AutoModelForCausalLM
@@ -115,3 +128,19 @@ def test_the_calibration_benchmark_serves_each_row(tiny_with_tokenizer, tmp_path
     rows = json.loads(out.read_text())["rows"]
     assert [r["row"] for r in rows] == ["bf16", "0.25@int4/int2"] and all(r["prompts"] == 10 for r in rows)
     assert rows[1]["kv_bytes_per_token"] < rows[0]["kv_bytes_per_token"] and rows[0]["times_smaller"] == 1.0
+
+
+def test_the_calibration_benchmark_never_measures_a_prompt_it_ranked_on(tiny_with_tokenizer, tmp_path, monkeypatch):
+    import eval.kv_plan_measurements as measurements
+    import eval.retrieval_logprob as logprob
+    from tests.benchmark_scripts import load_benchmark
+
+    ranked, measured = [], []
+    monkeypatch.setattr(measurements, "retrieval_rank", lambda _path, _tok, prompts: ranked.extend(prompts) or
+                        [(layer, h) for layer in range(4) for h in range(2)])
+    real = logprob.answer_ids
+    monkeypatch.setattr(logprob, "answer_ids", lambda tok, text, answer: measured.append(text) or real(tok, text, answer))
+    args = [str(tiny_with_tokenizer), "--rows", "0.25@int4/int2", "--ctx", str(CTX), "--samples", "2",
+            "--ranking-samples", "2", "--tasks", "needle_code_calib", "--ranking-tasks", "needle_code_calib"]
+    assert load_benchmark("kv_precision_heads_calib").main(args) == 0
+    assert len(measured) == len(ranked) == 10 and not {p.text for p in ranked} & set(measured)
