@@ -3,8 +3,8 @@
 Each row serves the checkpoint through the runtime with its KV cache really quantized and reports
 the bytes per token at ``--ctx`` (by allocation), the dev-slice perplexity the planner uses
 (``wikipedia:calib`` tokens [2N, 4N)), and the mean answer log-probability of calibration retrieval
-prompts (``--tasks``, default ``passkey_calib`` + ``needle_calib``, ``--samples`` a depth after the
-``--ranking-samples`` the heads are ranked on, so never those; teacher-forced as served:
+prompts (``--tasks``, default the planner's ``passkey_calib`` + ``needle_calib``, ``--samples`` a
+depth after the ``--ranking-samples`` the heads are ranked on, so never those; teacher-forced as served:
 ``eval.retrieval_logprob``) with how many are greedy's answer. A row is a KV dtype (``int4``), or
 ``SHARE@HIGH/LOW`` (``0.2@int4/int2``): the heads ranked by ``eval.kv_precision_heads`` on
 ``--ranking-samples`` prompts a depth of ``--ranking-tasks``, the top share in HIGH, the rest in LOW.
@@ -34,20 +34,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--samples", type=int, default=4, help="measured prompts per task and depth")
     ap.add_argument("--ranking-samples", type=int, default=4, help="prompts per task and depth the heads are ranked on")
-    ap.add_argument("--tasks", nargs="+", default=["passkey_calib", "needle_calib"], help="calibration tasks measured")
-    ap.add_argument("--ranking-tasks", nargs="+", default=None,
-                    help="calibration tasks the heads are ranked on (default: eval.kv_precision_heads')")
+    from eval.retrieval_task import RETRIEVAL_TASKS
+
+    calib_tasks = [t for t in RETRIEVAL_TASKS if t.endswith("_calib")]
+    ap.add_argument("--tasks", nargs="+", choices=calib_tasks, help="calibration tasks measured (default: the planner's)")
+    ap.add_argument("--ranking-tasks", nargs="+", choices=calib_tasks,
+                    help="calibration tasks the heads are ranked on (default: the planner's)")
     ap.add_argument("--lowered-first-block-exact", action="store_true")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
     import torch
 
-    from eval.kv_plan import CALIB_SEQS, DEV_WINDOWS, KvChoice, allocated_bytes, original_bytes
+    from eval.kv_plan import (CALIB_SEQS, DEV_WINDOWS, RETRIEVAL_CALIB, KvChoice, allocated_bytes, original_bytes,
+                              retrieval_prompts)
     from eval.kv_plan_measurements import served_engine, served_perplexity
-    from eval.kv_precision_heads import RANKING_TASKS, choose_precision_heads
+    from eval.kv_precision_heads import choose_precision_heads
     from eval.retrieval_logprob import answer_ids, answer_logprobs
-    from eval.retrieval_task import RetrievalTask
     from foundation.calibration import CalibrationSpec, load_tokenizer, token_windows
     from foundation.checkpoint import Checkpoint
     from foundation.errors import KvslimError
@@ -65,10 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         tok = load_tokenizer(path)
         spec = CalibrationSpec(source=DEFAULT_CALIB, num_samples=CALIB_SEQS + DEV_WINDOWS, seq_len=args.ctx)
         dev = token_windows(tok(spec.load_text(), add_special_tokens=False)["input_ids"], spec)[CALIB_SEQS:].flatten()
+        tasks, ranking_tasks = tuple(args.tasks or RETRIEVAL_CALIB), tuple(args.ranking_tasks or RETRIEVAL_CALIB)
         # measured prompts follow the ranked ones in each depth's seeded sequence: never ranked on
         every_prompt = args.ranking_samples + args.samples
-        named = [(name, p) for name in args.tasks
-                 for i, p in enumerate(RetrievalTask(name, (args.ctx,), (0, 25, 50, 75, 100), every_prompt).prompts(tok))
+        named = [(name, p) for name in tasks
+                 for i, p in enumerate(retrieval_prompts(tok, args.ctx, every_prompt, (name,)))
                  if i % every_prompt >= args.ranking_samples]
         names, prompts = [n for n, _ in named], [p for _, p in named]
         encoded = [answer_ids(tok, p.text, p.answer) for p in prompts]
@@ -79,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             layout = dict(config)
             if share:
                 heads = choose_precision_heads(path, dtype, float(share), args.ctx, args.ranking_samples,
-                                               tuple(args.ranking_tasks or RANKING_TASKS), lambda _: None)
+                                               ranking_tasks, lambda _: None)
                 layout = KvChoice(dtype, heads.window, (), 0, heads.lowered).config(config)
             ppl = served_perplexity(path, layout, dtype, dev, "dev", args.ctx)
             by_depth: dict[int, list[float]] = {}
@@ -105,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kv_precision_heads_calib: {e}", file=sys.stderr)
         return 2
     if args.json:
-        doc = {"checkpoint": str(args.checkpoint), "ctx": args.ctx, "samples": args.samples, "tasks": args.tasks,
-               "ranking_samples": args.ranking_samples, "ranking_tasks": args.ranking_tasks or list(RANKING_TASKS),
+        doc = {"checkpoint": str(args.checkpoint), "ctx": args.ctx, "samples": args.samples, "tasks": list(tasks),
+               "ranking_samples": args.ranking_samples, "ranking_tasks": list(ranking_tasks),
                "lowered_first_block_exact": args.lowered_first_block_exact,
                "torch_threads": torch.get_num_threads(), "rows": rows}
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,6 @@ from foundation.errors import KvslimError
 from foundation.kv_dtype_mix import SEPARATOR, split_variants
 
 RANKING_SAMPLES = 4  # calibration prompts per task and depth the heads are ranked on
-RANKING_TASKS = ("passkey_calib", "needle_calib")  # eval.retrieval_task's calibration wordings
 
 
 @dataclass(frozen=True)
@@ -85,10 +84,11 @@ def check_request(config: dict, kv_dtype: str, fraction: float, ctx: int) -> tup
 
 
 def choose_precision_heads(model_dir: str | Path, kv_dtype: str, fraction: float, ctx: int,
-                           samples: int = RANKING_SAMPLES, tasks: tuple[str, ...] = RANKING_TASKS,
+                           samples: int = RANKING_SAMPLES, tasks: tuple[str, ...] | None = None,
                            progress: Callable[[str], None] = print) -> PrecisionHeads:
-    """Rank the KV heads on calibration retrieval prompts at ``ctx`` and keep the top ``fraction``."""
-    from eval.kv_plan import KvChoice, allocated_bytes, original_bytes, retrieval_prompts
+    """Rank the KV heads on calibration retrieval prompts at ``ctx`` (``tasks``: the planner's,
+    ``eval.kv_plan.RETRIEVAL_CALIB``, unless named) and keep the top ``fraction``."""
+    from eval.kv_plan import RETRIEVAL_CALIB, KvChoice, allocated_bytes, original_bytes, retrieval_prompts
     from eval.kv_plan_measurements import retrieval_rank
     from foundation.calibration import load_tokenizer
     from foundation.checkpoint import Checkpoint
@@ -98,6 +98,7 @@ def choose_precision_heads(model_dir: str | Path, kv_dtype: str, fraction: float
     if samples < 1:
         raise KvslimError(f"--retrieval-samples must be at least 1, got {samples}")
     tokenizer = load_tokenizer(ckpt.path)
+    tasks = tasks or RETRIEVAL_CALIB
     prompts = retrieval_prompts(tokenizer, ctx, samples, tasks)
     described = (f"{len(prompts)} prompts of {ctx} tokens ({', '.join(tasks)}, {samples} a depth); "
                  "KV heads ranked by the attention the question puts on the fact")
