@@ -229,6 +229,15 @@ def allocated_bytes(config: dict, kv_dtype: str, ctx: int) -> float:
     return report_variant("plan", config, kv_dtype, int(budget), seq_len=ctx).counted_bytes_per_token
 
 
+def split_by_rank(ranked: list[tuple[int, int]], k: int, layers: int,
+                  kv_heads: int) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+    """Per layer, (the KV heads among ``ranked``'s first ``k``, the others)."""
+    keep = set(ranked[:k])
+    kept = tuple(tuple(h for h in range(kv_heads) if (layer, h) in keep) for layer in range(layers))
+    lowered = tuple(tuple(h for h in range(kv_heads) if (layer, h) not in keep) for layer in range(layers))
+    return kept, lowered
+
+
 def head_candidates(config: dict, ctx: int, budget_bytes: float | None, head_ranking: dict[int, list[tuple[int, int]]],
                     original: float, dtype: str, layer_counts: dict[int, list[int]],
                     retrieval_ranking: list[tuple[int, int]] | None = None) -> list[Candidate]:
@@ -252,8 +261,7 @@ def head_candidates(config: dict, ctx: int, budget_bytes: float | None, head_ran
             counts = [min(most, n * kvh - 1)] if most >= 0 else []
         for k in counts:
             while k >= 0:
-                full = set(ranked[:k])
-                streaming = tuple(tuple(h for h in range(kvh) if (layer, h) not in full) for layer in range(n))
+                _, streaming = split_by_rank(ranked, k, n, kvh)
                 choice = KvChoice(dtype, w, (), PLAN_SINKS, streaming, by)
                 nbytes = allocated_bytes(choice.config(config), dtype, ctx)
                 if budget_bytes is None or nbytes <= budget_bytes:
@@ -270,8 +278,6 @@ def precision_head_candidates(config: dict, ctx: int, budget_bytes: float | None
     fifth and two fifths of the heads in HIGH). Bytes by allocation."""
     n, kvh = int(config["num_hidden_layers"]), int(config.get("num_key_value_heads") or config["num_attention_heads"])
     positions, total = int(config["max_position_embeddings"]), n * kvh
-
-    from eval.kv_precision_heads import split_by_rank
 
     def measured(k: int) -> Candidate:
         _, lowered = split_by_rank(retrieval_ranking, k, n, kvh)

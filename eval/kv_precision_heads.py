@@ -56,15 +56,6 @@ class PrecisionHeads:
                 "times_smaller": round(self.times_smaller, 3), "retrieval_prompts": self.prompts}
 
 
-def split_by_rank(ranked: list[tuple[int, int]], k: int, layers: int,
-                  kv_heads: int) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
-    """Per layer, (the KV heads among ``ranked``'s first ``k``, the others)."""
-    keep = set(ranked[:k])
-    kept = tuple(tuple(h for h in range(kv_heads) if (layer, h) in keep) for layer in range(layers))
-    lowered = tuple(tuple(h for h in range(kv_heads) if (layer, h) not in keep) for layer in range(layers))
-    return kept, lowered
-
-
 def check_request(config: dict, kv_dtype: str, fraction: float, ctx: int) -> tuple[int, int]:
     """One line for what cannot be split by head; else (layers, KV heads per layer)."""
     from eval.kv_plan import full_attention_layout
@@ -88,7 +79,8 @@ def choose_precision_heads(model_dir: str | Path, kv_dtype: str, fraction: float
                            progress: Callable[[str], None] = print) -> PrecisionHeads:
     """Rank the KV heads on calibration retrieval prompts at ``ctx`` (``tasks``: the planner's,
     ``eval.kv_plan.RETRIEVAL_CALIB``, unless named) and keep the top ``fraction``."""
-    from eval.kv_plan import RETRIEVAL_CALIB, KvChoice, allocated_bytes, original_bytes, retrieval_prompts
+    from eval.kv_plan import (RETRIEVAL_CALIB, KvChoice, allocated_bytes, original_bytes, retrieval_prompts,
+                              split_by_rank)
     from eval.kv_plan_measurements import retrieval_rank
     from foundation.calibration import load_tokenizer
     from foundation.checkpoint import Checkpoint
