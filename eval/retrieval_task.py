@@ -16,8 +16,8 @@ really compressed); it is right when the first number in the answer is the key. 
 reported overall and per context and depth.
 
 The ``*_calib`` variants use other filler, other wording and ``wikipedia:calib`` prose (``pysrc:calib``,
-the standard library's source, for ``needle_code_calib``): what a planner may tune on, disjoint from
-the evaluation tasks.
+the standard library's source, for ``needle_code_calib``; ``pyhelp:calib``, other modules' ``help()``
+text, for ``needle_doc_calib``): what a planner may tune on, disjoint from the evaluation tasks.
 """
 from __future__ import annotations
 
@@ -87,6 +87,10 @@ WORDINGS: dict[str, Wording] = {
         "", "", "The secret number for this week is {key}. ",
         "\nQuestion: what is the secret number for this week? Answer: the secret number for this week is",
         prose="pysrc:calib"),
+    "needle_doc_calib": Wording(  # documentation, as needle_pydoc's text is; neither wording of the code needle
+        "", "", "The reference number of this page is {key}. ",
+        "\nQuestion: what is the reference number of this page? Answer: the reference number of this page is",
+        prose="pyhelp:calib"),
     "multikey_calib": Wording(
         "The notes below hold several codes. Remember each one.\n", CALIB_FILLER,
         "The code of the {label} gate is {key}. ",

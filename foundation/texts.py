@@ -11,17 +11,22 @@ name                   what                                     used for
 ``wikipedia:eval``     articles [64, end)                       perplexity, held out
 ``pydoc:eval``         stdlib ``pydoc_data.topics``             second held-out corpus
 ``pysrc:calib``        the source of 24 stdlib modules          code-like calibration
+``pyhelp:calib``       ``help()`` of 28 other stdlib modules    documentation calibration
 =====================  =======================================  ==========================
 
 ``pysrc`` is read from the running interpreter's standard library (``PYSRC_MODULES``, pure-Python
 modules every CPython 3.10-3.14 ships): code and docstrings, a calibration twin of ``pydoc:eval``
-(the language reference, not the library's source) that shares none of its text.
+(the language reference, not the library's source) that shares none of its text. ``pyhelp`` is
+documentation, as ``pydoc:eval`` is: what ``help(module)`` prints for other stdlib modules
+(``PYHELP_MODULES``: description, classes and functions with their signatures and docstrings; no
+file paths, data values or object addresses, so the same Python gives the same text anywhere).
 """
 from __future__ import annotations
 
 import bz2
 import importlib.util
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -67,6 +72,7 @@ RANGES: dict[str, TextRange] = {
         TextRange("wikipedia", "eval", 64, None),
         TextRange("pydoc", "eval", 0, None),
         TextRange("pysrc", "calib", 0, None),
+        TextRange("pyhelp", "calib", 0, None),
     )
 }
 DEFAULT_CALIB = "wikipedia:calib"
@@ -123,7 +129,30 @@ def _pysrc_docs() -> list[str]:
     return docs
 
 
-CORPORA = {"wikipedia": _wikipedia_docs, "pydoc": _pydoc_docs, "pysrc": _pysrc_docs}
+PYHELP_MODULES = ("abc", "base64", "bisect", "cmd", "codecs", "contextlib", "copy", "doctest", "filecmp", "fnmatch",
+                  "glob", "graphlib", "json", "mimetypes", "numbers", "queue", "random", "sched", "shutil",
+                  "smtplib", "tempfile", "threading", "timeit", "traceback", "urllib.parse", "uuid", "weakref",
+                  "zipfile")
+PYHELP_SECTIONS = ("NAME", "DESCRIPTION", "CLASSES", "FUNCTIONS")  # what help() prints, less paths and values
+
+
+def _pyhelp_docs() -> list[str]:
+    import importlib
+    import pydoc
+
+    docs = []
+    for name in PYHELP_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError as e:
+            raise KvslimError(f"the pyhelp text needs the stdlib module {name}, which this Python lacks ({e})") from None
+        sections = re.split(r"\n(?=[A-Z][A-Z ]+\n)", pydoc.plaintext.document(module))
+        kept = [s.rstrip() for s in sections if s.split("\n", 1)[0] in PYHELP_SECTIONS]
+        docs.append(re.sub(r" at 0x[0-9a-fA-F]+", "", "\n\n".join(kept)))
+    return docs
+
+
+CORPORA = {"wikipedia": _wikipedia_docs, "pydoc": _pydoc_docs, "pysrc": _pysrc_docs, "pyhelp": _pyhelp_docs}
 
 
 def text_range(name: str) -> TextRange:

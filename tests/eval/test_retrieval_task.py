@@ -19,7 +19,7 @@ def tokenizer(default_model_dir):
 
 
 @pytest.mark.parametrize("name", ["passkey", "needle", "needle_pydoc", "multikey", "passkey_calib", "needle_calib",
-                                  "needle_code_calib"])
+                                  "needle_code_calib", "needle_doc_calib"])
 def test_prompts_are_seeded_and_as_long_as_asked(tokenizer, name):
     task = RetrievalTask(name, contexts=(256, 512), depths=(0, 50, 100), samples=2)
     prompts = task.prompts(tokenizer)
@@ -57,6 +57,9 @@ def test_calibration_wording_shares_nothing_with_evaluation():
     assert WORDINGS["needle"].prose == "wikipedia:eval" and WORDINGS["needle_calib"].prose == "wikipedia:calib"
     assert WORDINGS["needle_pydoc"].prose == "pydoc:eval" and WORDINGS["needle_code_calib"].prose == "pysrc:calib"
     assert WORDINGS["needle_code_calib"].question != WORDINGS["needle_pydoc"].question
+    assert WORDINGS["needle_doc_calib"].prose == "pyhelp:calib"
+    doc, pydoc = WORDINGS["needle_doc_calib"], WORDINGS["needle_pydoc"]
+    assert doc.fact != pydoc.fact and doc.question != pydoc.question
 
 
 def test_answers_are_scored_by_the_first_number():

@@ -32,3 +32,13 @@ def test_code_calibration_text_shares_nothing_with_pydoc():
     source, reference = load_documents("pysrc:calib"), load_documents("pydoc:eval")
     assert len(source) == 24 and all("def " in d for d in source)
     assert not any(topic in d for d in source for topic in reference if len(topic) > 200)
+
+
+def test_documentation_calibration_text_is_help_text_of_other_modules():
+    from foundation.texts import PYHELP_MODULES, PYSRC_MODULES
+
+    docs, reference = load_documents("pyhelp:calib"), load_documents("pydoc:eval")
+    assert len(docs) == len(PYHELP_MODULES) and not set(PYHELP_MODULES) & set(PYSRC_MODULES)
+    assert all(d.startswith("NAME\n") for d in docs) and sum(map(len, docs)) > 300_000
+    assert not any(marker in d for d in docs for marker in ("\nFILE\n", "\nDATA\n", " at 0x"))  # the same anywhere
+    assert not any(topic in d for d in docs for topic in reference if len(topic) > 200)
