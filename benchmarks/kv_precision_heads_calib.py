@@ -46,16 +46,14 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from eval.kv_plan import (CALIB_SEQS, DEV_WINDOWS, RETRIEVAL_CALIB, KvChoice, allocated_bytes, original_bytes,
-                              retrieval_prompts)
+    from eval.kv_plan import RETRIEVAL_CALIB, KvChoice, allocated_bytes, original_bytes, plan_texts, retrieval_prompts
     from eval.kv_plan_measurements import served_engine, served_perplexity
     from eval.kv_precision_heads import choose_precision_heads
-    from eval.retrieval_logprob import answer_ids, answer_logprobs
-    from foundation.calibration import CalibrationSpec, load_tokenizer, token_windows
+    from eval.retrieval_logprob import answer_ids, served_answers
+    from foundation.calibration import load_tokenizer
     from foundation.checkpoint import Checkpoint
     from foundation.errors import KvslimError
     from foundation.model_source import resolve_model
-    from foundation.texts import DEFAULT_CALIB
 
     if args.lowered_first_block_exact:
         import runtime.cache.kv_cache as kv_cache
@@ -66,8 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         path = resolve_model(args.checkpoint)
         config = Checkpoint.open(path).config
         tok = load_tokenizer(path)
-        spec = CalibrationSpec(source=DEFAULT_CALIB, num_samples=CALIB_SEQS + DEV_WINDOWS, seq_len=args.ctx)
-        dev = token_windows(tok(spec.load_text(), add_special_tokens=False)["input_ids"], spec)[CALIB_SEQS:].flatten()
+        _, dev, _, dev_text = plan_texts(tok, args.ctx)
         tasks, ranking_tasks = tuple(args.tasks or RETRIEVAL_CALIB), tuple(args.ranking_tasks or RETRIEVAL_CALIB)
         # measured prompts follow the ranked ones in each depth's seeded sequence: never ranked on
         every_prompt = args.ranking_samples + args.samples
@@ -85,16 +82,16 @@ def main(argv: list[str] | None = None) -> int:
                 heads = choose_precision_heads(path, dtype, float(share), args.ctx, args.ranking_samples,
                                                ranking_tasks, lambda _: None)
                 layout = KvChoice(dtype, heads.window, (), 0, heads.lowered).config(config)
-            ppl = served_perplexity(path, layout, dtype, dev, "dev", args.ctx)
+            ppl = served_perplexity(path, layout, dtype, dev, dev_text, args.ctx)
             by_depth: dict[int, list[float]] = {}
             by_task: dict[str, list[float]] = {}
             hits = 0
             with served_engine(path, layout, dtype, args.ctx) as engine:
-                for task, p, (prompt, answer) in zip(names, prompts, encoded):
-                    lp, hit = answer_logprobs(engine, prompt, answer, PREFILL_CHUNK)
-                    by_depth.setdefault(p.depth, []).append(float(lp.mean()))
-                    by_task.setdefault(task, []).append(float(lp.mean()))
-                    hits += hit
+                served = served_answers(engine, encoded, PREFILL_CHUNK)
+            for task, p, (lp, hit) in zip(names, prompts, served):
+                by_depth.setdefault(p.depth, []).append(lp)
+                by_task.setdefault(task, []).append(lp)
+                hits += hit
             every = [x for xs in by_depth.values() for x in xs]
             nbytes = allocated_bytes(layout, dtype, args.ctx)
             rows.append({"row": label, "kv_bytes_per_token": nbytes,

@@ -31,7 +31,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
-    from eval.retrieval_logprob import answer_ids, answer_logprobs
+    from eval.retrieval_logprob import answer_ids, served_answers
     from eval.retrieval_task import WORDINGS, RetrievalTask
     from runtime.engine.engine import Engine
     from runtime.llm import LLM
@@ -53,9 +53,9 @@ def main() -> int:
         per_task = {}
         for task, rows in encoded.items():
             by_depth: dict[int, list[tuple[float, bool]]] = {}
-            for depth, prompt, answer in rows:
-                lp, hit = answer_logprobs(engine, prompt, answer, args.prefill_chunk)
-                by_depth.setdefault(depth, []).append((float(lp.mean()), hit))
+            served = served_answers(engine, [(prompt, answer) for _, prompt, answer in rows], args.prefill_chunk)
+            for (depth, _, _), measured in zip(rows, served):
+                by_depth.setdefault(depth, []).append(measured)
             per_task[task] = {str(d): {"mean_logprob": sum(x for x, _ in v) / len(v),
                                        "argmax": sum(h for _, h in v), "logprobs": [x for x, _ in v]}
                               for d, v in by_depth.items()}

@@ -341,6 +341,15 @@ def within(retrieval: dict[int, float], original: dict[int, float], drop: float)
     return all(retrieval.get(d, 0.0) >= acc - drop - 1e-9 for d, acc in original.items())
 
 
+def plan_texts(tokenizer, ctx: int, source: str = DEFAULT_CALIB):
+    """``(ranking ids [CALIB_SEQS, ctx], dev slice ids (flat), the ranking text described, the dev
+    slice described)``: the planner's calibration windows of ``source`` and the dev slice after them."""
+    spec = CalibrationSpec(source=source, num_samples=CALIB_SEQS + DEV_WINDOWS, seq_len=ctx)
+    tokens = token_windows(tokenizer(spec.load_text(), add_special_tokens=False)["input_ids"], spec)
+    return (tokens[:CALIB_SEQS], tokens[CALIB_SEQS:].flatten(), f"{CALIB_SEQS} x {ctx} tokens of {source}",
+            f"{source} tokens [{CALIB_SEQS * ctx}, {(CALIB_SEQS + DEV_WINDOWS) * ctx})")
+
+
 def retrieval_prompts(tokenizer, ctx: int, samples: int = RETRIEVAL_SAMPLES,
                       tasks: tuple[str, ...] = RETRIEVAL_CALIB) -> list:
     """The calibration retrieval prompts at ``ctx`` (``eval.retrieval_task``, calibration wording),
@@ -371,13 +380,8 @@ def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase
         raise KvslimError(f"--plan-windows must be positive token counts, got {' '.join(map(str, windows))}")
     n = layout.num_layers
     windows = tuple(w for w in windows if w < ctx)
-    source = calib or DEFAULT_CALIB
-    spec = CalibrationSpec(source=source, num_samples=CALIB_SEQS + DEV_WINDOWS, seq_len=ctx)
     tokenizer = load_tokenizer(ckpt.path)
-    tokens = token_windows(tokenizer(spec.load_text(), add_special_tokens=False)["input_ids"], spec)
-    calib_ids, dev = tokens[:CALIB_SEQS], tokens[CALIB_SEQS:].flatten()
-    calibration = f"{CALIB_SEQS} x {ctx} tokens of {source}"
-    dev_text = f"{source} tokens [{CALIB_SEQS * ctx}, {(CALIB_SEQS + DEV_WINDOWS) * ctx})"
+    calib_ids, dev, calibration, dev_text = plan_texts(tokenizer, ctx, calib or DEFAULT_CALIB)
     progress(f"ranking layers and KV heads by attention mass beyond windows {list(windows)} on {calibration}")
     ranking, head_ranking = rank(ckpt.path, calib_ids, windows, PLAN_SINKS) if windows else ({}, {})
     prompts = retrieval_prompts(tokenizer, ctx, retrieval_samples) if min_retrieval is not None else []

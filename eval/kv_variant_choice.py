@@ -127,7 +127,7 @@ def _bytes_per_token(layout, kv_dtype: str, ctx: int) -> float:
 
 def _served_logprobs(model_dir: str | Path, ctx: int, samples: int) -> tuple[Callable[[str], float], str]:
     """(KV dtype -> mean answer log-probability of the calibration prompts served in it, the prompts described)."""
-    from eval.retrieval_logprob import answer_ids, answer_logprobs
+    from eval.retrieval_logprob import answer_ids, served_answers
     from eval.retrieval_task import RetrievalTask
     from runtime.engine.engine import Engine
     from runtime.llm import LLM
@@ -142,7 +142,7 @@ def _served_logprobs(model_dir: str | Path, ctx: int, samples: int) -> tuple[Cal
 
     def logprob(name: str) -> float:
         engine = Engine.sized_for(llm.model, longest, 1, max_num_batched_tokens=PREFILL_CHUNK, kv_dtype=name)
-        means = [float(answer_logprobs(engine, prompt, answer, PREFILL_CHUNK)[0].mean()) for prompt, answer in encoded]
+        means = [lp for lp, _ in served_answers(engine, encoded, PREFILL_CHUNK)]
         return sum(means) / len(means)
 
     return logprob, (f"{len(prompts)} prompts ({', '.join(CHOICE_TASKS)}, {samples} a depth at "

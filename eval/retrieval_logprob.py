@@ -39,3 +39,13 @@ def answer_logprobs(engine, prompt: list[int], answer: list[int], prefill_chunk:
     rows = torch.cat([r for _, r in engine.score_pieces(ids, pieces, logits_from=len(prompt) - 1, exact_new_rows=True)])
     targets = torch.tensor(answer, device=rows.device)
     return target_logprobs(rows, targets).cpu(), bool((rows.argmax(-1) == targets).all())
+
+
+def served_answers(engine, encoded: list[tuple[list[int], list[int]]], prefill_chunk: int) -> list[tuple[float, bool]]:
+    """For each ``(prompt ids, answer ids)``, served one after another on ``engine``: the mean
+    log-probability of its answer's tokens and whether greedy decoding answers it."""
+    out = []
+    for prompt, answer in encoded:
+        lp, hit = answer_logprobs(engine, prompt, answer, prefill_chunk)
+        out.append((float(lp.mean()), hit))
+    return out

@@ -77,3 +77,13 @@ def test_score_pieces_from_a_position_are_the_scores_rows_from_it(tiny_llama, kv
     torch.testing.assert_close(torch.cat([rows for _, rows in yielded]), full[20:], rtol=0, atol=1e-5)
     served = torch.cat([rows for _, rows in engine.score_pieces(ids, pieces, exact_new_rows=True)])
     assert torch.equal(served, full) == (kv_dtype == "fp32")
+
+
+def test_served_answers_are_each_prompts_mean_and_hit(script, tiny_llama):
+    engine = tiny_engine(tiny_llama, "fp32")
+    g = torch.Generator().manual_seed(5)
+    encoded = [(torch.randint(3, 512, (n,), generator=g).tolist(), torch.randint(3, 512, (3,), generator=g).tolist())
+               for n in (20, 33)]
+    expected = [script.answer_logprobs(engine, p, a, prefill_chunk=16) for p, a in encoded]
+    got = script.served_answers(engine, encoded, prefill_chunk=16)
+    assert got == [(float(lp.mean()), hit) for lp, hit in expected]
