@@ -36,7 +36,7 @@ import math
 import shutil
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from attention_variants.convert import DEFAULT_SINKS, ConvertSpec, convert
 from eval.kv_plan_measurements import rank, retrieval_rank, served_perplexity, served_retrieval
@@ -48,6 +48,9 @@ from foundation.errors import KvslimError
 from foundation.kv_dtype_mix import SEPARATOR, split_variants
 from foundation.kv_plan_file import PLAN_FILE, PLANNER_KV_DTYPES
 from foundation.texts import DEFAULT_CALIB
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 DEFAULT_PLAN_CTX = 2048
 PLAN_DTYPES = PLANNER_KV_DTYPES  # and mixes such as int4/int2 (foundation.kv_dtype_mix) when asked
@@ -341,7 +344,7 @@ def within(retrieval: dict[int, float], original: dict[int, float], drop: float)
     return all(retrieval.get(d, 0.0) >= acc - drop - 1e-9 for d, acc in original.items())
 
 
-def plan_texts(tokenizer, ctx: int, source: str = DEFAULT_CALIB):
+def plan_texts(tokenizer, ctx: int, source: str = DEFAULT_CALIB) -> tuple[Tensor, Tensor, str, str]:
     """``(ranking ids [CALIB_SEQS, ctx], dev slice ids (flat), the ranking text described, the dev
     slice described)``: the planner's calibration windows of ``source`` and the dev slice after them."""
     spec = CalibrationSpec(source=source, num_samples=CALIB_SEQS + DEV_WINDOWS, seq_len=ctx)

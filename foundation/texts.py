@@ -137,7 +137,6 @@ PYHELP_SECTIONS = ("NAME", "DESCRIPTION", "CLASSES", "FUNCTIONS")  # what help()
 
 
 def _pyhelp_docs() -> list[str]:
-    import importlib
     import pydoc
 
     docs = []
