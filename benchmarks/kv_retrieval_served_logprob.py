@@ -41,8 +41,8 @@ def main() -> int:
         raise SystemExit(f"unknown retrieval task(s) {', '.join(unknown)}; choose from {', '.join(WORDINGS)}")
     llm = LLM(args.checkpoint)
     prompts = {t: RetrievalTask(t, (args.ctx,), tuple(args.depths), args.samples).prompts(llm.tokenizer) for t in tasks}
-    encoded = {t: [(p.depth, *answer_ids(llm.tokenizer, p.text, p.answer)) for p in ps] for t, ps in prompts.items()}
-    longest = max(len(a) + len(b) for rows in encoded.values() for _, a, b in rows)
+    encoded = {t: [answer_ids(llm.tokenizer, p.text, p.answer) for p in ps] for t, ps in prompts.items()}
+    longest = max(len(a) + len(b) for pairs in encoded.values() for a, b in pairs)
     if longest > llm.max_model_len:
         raise SystemExit(f"--ctx {args.ctx}: prompts and answers of up to {longest} tokens exceed the model's "
                          f"{llm.max_model_len}")
@@ -51,11 +51,10 @@ def main() -> int:
         start = time.time()
         engine = Engine.sized_for(llm.model, longest, 1, max_num_batched_tokens=args.prefill_chunk, kv_dtype=kv)
         per_task = {}
-        for task, rows in encoded.items():
+        for task, pairs in encoded.items():
             by_depth: dict[int, list[tuple[float, bool]]] = {}
-            served = served_answers(engine, [(prompt, answer) for _, prompt, answer in rows], args.prefill_chunk)
-            for (depth, _, _), measured in zip(rows, served):
-                by_depth.setdefault(depth, []).append(measured)
+            for p, measured in zip(prompts[task], served_answers(engine, pairs, args.prefill_chunk)):
+                by_depth.setdefault(p.depth, []).append(measured)
             per_task[task] = {str(d): {"mean_logprob": sum(x for x, _ in v) / len(v),
                                        "argmax": sum(h for _, h in v), "logprobs": [x for x, _ in v]}
                               for d, v in by_depth.items()}

@@ -21,8 +21,6 @@ from foundation.errors import KvslimError
 # variants tried beside the default, where they change a packed part of the dtype
 CANDIDATE_VARIANTS = (("exact-first-block",), ("keys-unrotated",), ("exact-first-block", "keys-unrotated"))
 LOGPROB_TOLERANCE = 0.01  # nats of mean answer log-probability
-CHOICE_TASKS = ("passkey_calib", "needle_calib")
-CHOICE_DEPTHS = (0, 25, 50, 75, 100)
 CHOICE_SAMPLES = 4  # prompts per task and depth
 PREFILL_CHUNK = 1024  # LLM's default
 
@@ -127,13 +125,13 @@ def _bytes_per_token(layout, kv_dtype: str, ctx: int) -> float:
 
 def _served_logprobs(model_dir: str | Path, ctx: int, samples: int) -> tuple[Callable[[str], float], str]:
     """(KV dtype -> mean answer log-probability of the calibration prompts served in it, the prompts described)."""
+    from eval.kv_plan import RETRIEVAL_CALIB, RETRIEVAL_DEPTHS, retrieval_prompts
     from eval.retrieval_logprob import answer_ids, served_answers
-    from eval.retrieval_task import RetrievalTask
     from runtime.engine.engine import Engine
     from runtime.llm import LLM
 
     llm = LLM(model_dir)
-    prompts = [p for t in CHOICE_TASKS for p in RetrievalTask(t, (ctx,), CHOICE_DEPTHS, samples).prompts(llm.tokenizer)]
+    prompts = retrieval_prompts(llm.tokenizer, ctx, samples)  # the planner's calibration tasks and depths
     encoded = [answer_ids(llm.tokenizer, p.text, p.answer) for p in prompts]
     longest = max(len(a) + len(b) for a, b in encoded)
     if longest > llm.max_model_len:
@@ -145,5 +143,5 @@ def _served_logprobs(model_dir: str | Path, ctx: int, samples: int) -> tuple[Cal
         means = [lp for lp, _ in served_answers(engine, encoded, PREFILL_CHUNK)]
         return sum(means) / len(means)
 
-    return logprob, (f"{len(prompts)} prompts ({', '.join(CHOICE_TASKS)}, {samples} a depth at "
-                     f"{' '.join(f'{d}%' for d in CHOICE_DEPTHS)}, context {ctx}), served")
+    return logprob, (f"{len(prompts)} prompts ({', '.join(RETRIEVAL_CALIB)}, {samples} a depth at "
+                     f"{' '.join(f'{d}%' for d in RETRIEVAL_DEPTHS)}, context {ctx}), served")
