@@ -17,8 +17,9 @@ lowest dev perplexity under it wins; with ``--max-ppl-increase`` the fewest byte
 original's dev perplexity (candidates served in order of bytes until one passes).
 
 Perplexity barely sees what a window or a coarse cache loses on a fact stated once, so a plan is
-also bounded by retrieval (``min_retrieval``, default: within 5 points of the original at every
-depth) on calibration retrieval prompts (``eval.retrieval_task``'s ``*_calib`` wording and
+also bounded by retrieval (``eval.retrieval_bound``: within 5 points of the original's accuracy at
+every depth, and every fact the original finds at most half as likely per answer token) on
+calibration retrieval prompts (``eval.retrieval_task``'s ``*_calib`` wording and
 ``wikipedia:calib`` prose, disjoint from the evaluation tasks), served like the perplexity. Streaming
 heads are then chosen DuoAttention's way, by the attention the question puts on the fact in those
 retrieval prompts (``attention_variants.retrieval_heads``), instead of by attention mass beyond the
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING, Callable
 
 from attention_variants.convert import DEFAULT_SINKS, ConvertSpec, convert
 from eval.kv_plan_measurements import rank, retrieval_rank, served_perplexity, served_retrieval
+from eval.retrieval_bound import DEFAULT_MAX_LOGPROB_DROP, DEFAULT_MIN_RETRIEVAL, RetrievalBound, ServedRetrieval
 from eval.retrieval_task import by_depth_line
 from foundation.attention_layout import FULL, SINKS_KEY, SLIDING, STREAMING_KEY, AttentionLayout
 from foundation.calibration import CalibrationSpec, load_tokenizer, token_windows
@@ -62,7 +64,6 @@ RETRIEVAL_CALIB = ("passkey_calib", "needle_calib")  # eval.retrieval_task: neve
 RETRIEVAL_DEPTHS = (0, 25, 50, 75, 100)
 RETRIEVAL_SAMPLES = 1  # default prompts per task and depth: 2 per depth over both tasks (the demo's budget)
 RETRIEVAL_CHECKS = 6  # candidates whose retrieval is served, best dev perplexity first
-DEFAULT_MIN_RETRIEVAL = 0.05  # at most this far below the original's accuracy at any depth
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ class Candidate:
     kv_bytes_per_token: float  # at the plan's context, by allocation
     times_smaller: float  # the original's bf16 bytes per token / these
     dev_ppl: float | None = None  # served, on the dev slice (None: not served)
-    retrieval: dict[int, float] | None = None  # depth -> calibration retrieval accuracy (None: not served)
+    retrieval: ServedRetrieval | None = None  # calibration retrieval (None: not served)
 
 
 @dataclass(frozen=True)
@@ -125,15 +126,15 @@ class KvPlan:
     candidates: tuple[Candidate, ...]
     calibration: str
     dev_text: str
-    original_retrieval: dict[int, float] | None = None
-    min_retrieval: float | None = None  # the bound; None: not applied
+    original_retrieval: ServedRetrieval | None = None
+    bound: RetrievalBound | None = None  # None: not applied
     retrieval_prompts: str = ""
 
     @property
     def retrieval_bound_met(self) -> bool | None:
-        if self.min_retrieval is None or self.original_retrieval is None or self.chosen.retrieval is None:
+        if self.bound is None or self.original_retrieval is None or self.chosen.retrieval is None:
             return None
-        return within(self.chosen.retrieval, self.original_retrieval, self.min_retrieval)
+        return self.bound.met(self.chosen.retrieval, self.original_retrieval)
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -142,7 +143,17 @@ class KvPlan:
     def to_json(self) -> str:
         """plan.json: the chosen KV dtype (what the runtime reads), the layout, the predicted bytes,
         and every candidate with its measurement."""
-        c = self.chosen
+        c, orig = self.chosen, self.original_retrieval
+
+        def drop(r: ServedRetrieval | None) -> float | None:
+            return None if r is None or orig is None else round(r.logprob_drop(orig), 4)
+
+        def logprobs(r: ServedRetrieval | None) -> list[float] | None:
+            return None if r is None else [round(x, 4) for x in r.logprobs]
+
+        def accuracy(r: ServedRetrieval | None) -> dict[int, float] | None:
+            return None if r is None else r.accuracy()
+
         doc = {
             "kv_cache_dtype": self.kv_cache_dtype,
             "ctx": self.ctx,
@@ -160,14 +171,19 @@ class KvPlan:
             "original_dev_ppl": self.original_dev_ppl,
             "calibration": self.calibration,
             "dev_text": self.dev_text,
-            "retrieval": c.retrieval,
-            "original_retrieval": self.original_retrieval,
-            "min_retrieval": self.min_retrieval,
+            "retrieval": accuracy(c.retrieval),
+            "original_retrieval": accuracy(orig),
+            "retrieval_logprob_drop": drop(c.retrieval),
+            "min_retrieval": None if self.bound is None else self.bound.min_retrieval,
+            "max_logprob_drop": None if self.bound is None else self.bound.max_logprob_drop,
             "retrieval_bound_met": self.retrieval_bound_met,
             "retrieval_prompts": self.retrieval_prompts,
+            "retrieval_logprobs": logprobs(c.retrieval),
+            "original_retrieval_logprobs": logprobs(orig),
             "candidates": [{**asdict(x.choice), "kv_bytes_per_token": round(x.kv_bytes_per_token, 1),
                             "times_smaller": round(x.times_smaller, 3), "dev_ppl": x.dev_ppl,
-                            "retrieval": x.retrieval}
+                            "retrieval": accuracy(x.retrieval),
+                            "retrieval_logprob_drop": drop(x.retrieval)}
                            for x in self.candidates],
         }
         return json.dumps(doc, indent=2) + "\n"
@@ -339,11 +355,6 @@ def candidates(config: dict, ctx: int, budget_bytes: float | None, ranking: dict
     return sorted(unique.values(), key=lambda c: c.kv_bytes_per_token)  # fewest bytes first (one of each layout)
 
 
-def within(retrieval: dict[int, float], original: dict[int, float], drop: float) -> bool:
-    """At every depth, no more than ``drop`` below the original's accuracy."""
-    return all(retrieval.get(d, 0.0) >= acc - drop - 1e-9 for d, acc in original.items())
-
-
 def plan_texts(tokenizer, ctx: int, source: str = DEFAULT_CALIB) -> tuple[Tensor, Tensor, str, str]:
     """``(ranking ids [CALIB_SEQS, ctx], dev slice ids (flat), the ranking text described, the dev
     slice described)``: the planner's calibration windows of ``source`` and the dev slice after them."""
@@ -367,16 +378,19 @@ def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase
             ctx: int = DEFAULT_PLAN_CTX, calib: str | None = None, windows: tuple[int, ...] = PLAN_WINDOWS,
             dtypes: tuple[str, ...] = PLAN_DTYPES, progress: Callable[[str], None] = lambda _: None,
             heads: bool = True, min_retrieval: float | None = DEFAULT_MIN_RETRIEVAL,
-            retrieval_samples: int = RETRIEVAL_SAMPLES) -> KvPlan:
+            retrieval_samples: int = RETRIEVAL_SAMPLES, max_logprob_drop: float = DEFAULT_MAX_LOGPROB_DROP) -> KvPlan:
     """Choose the KV layout and dtype for ``model_dir`` (see the module docstring); ``heads``:
     streaming-head candidates too; ``min_retrieval``: the most a plan's calibration retrieval may fall
     below the original's at any depth (None: no retrieval bound, none measured), measured on
-    ``retrieval_samples`` prompts per calibration task and depth."""
+    ``retrieval_samples`` prompts per calibration task and depth; ``max_logprob_drop``: the most
+    (nats per token) a fact the original finds may lose from its answer's log-probability."""
     ckpt = Checkpoint.open(model_dir)
     config = ckpt.config
     layout = check_request(config, budget, max_ppl_increase, ctx)
     if min_retrieval is not None and not 0 <= min_retrieval <= 1:
         raise KvslimError(f"--min-retrieval {min_retrieval} must be in [0, 1] (points of accuracy below the original)")
+    if not max_logprob_drop >= 0:
+        raise KvslimError(f"--max-logprob-drop {max_logprob_drop} must be >= 0 (nats per answer token; inf: hits alone)")
     if retrieval_samples < 1:
         raise KvslimError(f"--retrieval-samples must be a positive integer, got {retrieval_samples}")
     if any(w < 1 for w in windows):
@@ -397,8 +411,9 @@ def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase
     original = original_bytes(config, ctx)
     original_ppl = served_perplexity(ckpt.path, config, "bf16", dev, dev_text, ctx)
     original_ret = served_retrieval(ckpt.path, config, "bf16", prompts, tokenizer, ctx) if prompts else None
+    bound = RetrievalBound(min_retrieval, max_logprob_drop) if prompts else None
     progress(f"original (bf16 KV): {original:,.0f} B/token @{ctx}, dev ppl {original_ppl:.3f}"
-             + (f", retrieval by depth {by_depth_line(original_ret)}" if original_ret else ""))
+             + (f", retrieval by depth {by_depth_line(original_ret.accuracy())}" if original_ret else ""))
     todo = candidates(config, ctx, None if budget is None else budget * original, ranking, original, dtypes,
                       head_ranking if heads else None, retrieval_ranking)
     if not todo:
@@ -414,9 +429,10 @@ def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase
         checks += 1
         cand = replace(cand, retrieval=served_retrieval(ckpt.path, cand.choice.config(config), cand.choice.kv_dtype,
                                                         prompts, tokenizer, ctx))
-        ok = within(cand.retrieval, original_ret, min_retrieval)
-        progress(f"  retrieval of {cand.choice.describe(n)}: {by_depth_line(cand.retrieval)} "
-                 f"({'within' if ok else 'NOT within'} {100 * min_retrieval:g} points of the original at every depth)")
+        ok = bound.met(cand.retrieval, original_ret)
+        progress(f"  retrieval of {cand.choice.describe(n)}: {by_depth_line(cand.retrieval.accuracy())}, found answers "
+                 f"at most {cand.retrieval.logprob_drop(original_ret):.2f} nats/token less likely "
+                 f"({'within' if ok else 'NOT within'} the bound: {bound.describe()})")
         return cand, ok
 
     served, chosen = [], None
@@ -446,9 +462,10 @@ def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase
                 chosen = cand
                 break
         if chosen is None:  # the bound missed by all checked: keep the most retrieval
-            chosen = max(checked, key=lambda c: (min(c.retrieval.values()), sum(c.retrieval.values()), -c.dev_ppl))
-            progress(f"no candidate checked keeps retrieval within {100 * min_retrieval:g} points at every depth: "
-                     f"chose the one that keeps the most ({by_depth_line(chosen.retrieval)})")
+            chosen = max(checked, key=lambda c: (*bound.keeps_more(c.retrieval, original_ret), -c.dev_ppl))
+            progress(f"no candidate checked keeps retrieval within the bound ({bound.describe()}): chose the one "
+                     f"that keeps the most ({by_depth_line(chosen.retrieval.accuracy())}, found answers at most "
+                     f"{chosen.retrieval.logprob_drop(original_ret):.2f} nats/token less likely)")
         by_choice = {c.choice: c for c in checked}
         served = [by_choice.get(c.choice, c) for c in served]
     elif chosen is None:
@@ -457,10 +474,9 @@ def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase
             raise KvslimError(f"no KV plan stays within +{100 * max_ppl_increase:g}% dev perplexity "
                               f"(the best: {min(served, key=lambda c: c.dev_ppl).dev_ppl:.3f} vs {original_ppl:.3f})")
         raise KvslimError(f"no KV plan within +{100 * max_ppl_increase:g}% dev perplexity keeps calibration retrieval "
-                          f"within {100 * min_retrieval:g} points of the original at every depth ({checks} checked; "
-                          "--min-retrieval 1 plans by perplexity alone)")
+                          f"within {bound.describe()} ({checks} checked; --min-retrieval 1 plans by perplexity alone)")
     return KvPlan(ctx, budget, max_ppl_increase, n, original, original_ppl, chosen, tuple(served),
-                  calibration, dev_text, original_ret, min_retrieval if prompts else None, prompt_text)
+                  calibration, dev_text, original_ret, bound, prompt_text)
 
 
 def _bits(dtype: str) -> float:

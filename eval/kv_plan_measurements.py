@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from eval.retrieval_bound import ServedRetrieval
+
 
 def rank(model_dir: Path, ids: torch.Tensor, windows: tuple[int, ...],
          sinks: int) -> tuple[dict[int, list[int]], dict[int, list[tuple[int, int]]]]:
@@ -59,20 +61,17 @@ def served_perplexity(model_dir: Path, config: dict, kv_dtype: str, ids: torch.T
 
 
 def served_retrieval(model_dir: Path, config: dict, kv_dtype: str, prompts: list, tokenizer,
-                     ctx: int) -> dict[int, float]:
-    """Accuracy per depth of greedy answers to the retrieval ``prompts`` served by the runtime, the
-    cache as the candidate holds it."""
-    from eval.retrieval_task import ANSWER_TOKENS, answered
-    from runtime.engine.sampling import SamplingParams
+                     ctx: int) -> ServedRetrieval:
+    """Each retrieval prompt's answer, served by the runtime with the cache as the candidate holds it:
+    its tokens' mean log-probability (teacher-forced, the prompt prefilled as one chunk) and whether
+    greedy decoding gives it (``eval.retrieval_logprob.served_answers``)."""
+    from eval.retrieval_logprob import answer_ids, served_answers
 
-    ids = [tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
+    encoded = [answer_ids(tokenizer, p.text, p.answer) for p in prompts]
     with served_engine(model_dir, config, kv_dtype, ctx) as engine:
-        outs = engine.generate(ids, SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0))
-    by_depth: dict[int, list[bool]] = {}
-    for p, o in zip(prompts, outs):
-        text = tokenizer.decode(o.token_ids, skip_special_tokens=True)
-        by_depth.setdefault(p.depth, []).append(answered(text, p.answer))
-    return {d: sum(hits) / len(hits) for d, hits in sorted(by_depth.items())}
+        answers = served_answers(engine, encoded, ctx)
+    return ServedRetrieval(tuple(p.depth for p in prompts), tuple(lp for lp, _ in answers),
+                           tuple(hit for _, hit in answers))
 
 
 def retrieval_rank(model_dir: Path, tokenizer, prompts: list) -> list[tuple[int, int]]:

@@ -94,6 +94,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="with --kv-budget / --max-ppl-increase: keep retrieval of a fact stated once (calibration "
                         "passkey and needle prompts at --ctx, served) within P of the original's accuracy at every "
                         "depth (default 0.05: 5 points; 1: no retrieval bound)")
+    p.add_argument("--max-logprob-drop", type=float, default=None, metavar="NATS",
+                   help="with the retrieval bound: on every calibration prompt the original answers, the answer's "
+                        "mean log-probability per token may fall at most NATS below the original's (default "
+                        "0.693 = ln 2: at most half as likely; inf: hits alone)")
     p.add_argument("--retrieval-samples", type=int, default=None, metavar="N",
                    help="with the retrieval bound: calibration prompts per task and depth (default 1: 10 prompts, "
                         "where one miss moves a depth by 50 points; more make the bound stricter and slower); "
@@ -125,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
         raise KvslimError("--retrieval-heads F splits KV bits by head: give --kv-cache-dtype HIGH/LOW (e.g. int4/int2)")
     if args.ctx is not None and not planning and not args.kv_cache_dtype:
         raise KvslimError("--ctx applies to a KV plan (--kv-budget R, --max-ppl-increase P or --kv-cache-dtype D)")
-    for flag, value in (("--min-retrieval", args.min_retrieval), ("--kv-dtypes", args.kv_dtypes),
+    for flag, value in (("--min-retrieval", args.min_retrieval), ("--max-logprob-drop", args.max_logprob_drop),
+                        ("--kv-dtypes", args.kv_dtypes),
                         ("--retrieval-samples", args.retrieval_samples), ("--plan-windows", args.plan_windows)):
         if flag == "--retrieval-samples" and value is not None and args.kv_cache_dtype:
             continue  # the variant choice's prompts too
@@ -231,7 +236,6 @@ def _precision_heads(args: argparse.Namespace, source, dtype: str, ctx: int) -> 
 
 def _plan(args: argparse.Namespace, source) -> int:
     from eval.kv_plan import (
-        DEFAULT_MIN_RETRIEVAL,
         DEFAULT_PLAN_CTX,
         PLAN_DTYPES,
         PLAN_WINDOWS,
@@ -239,6 +243,8 @@ def _plan(args: argparse.Namespace, source) -> int:
         plan_kv,
         write_planned_checkpoint,
     )
+    from eval.retrieval_bound import DEFAULT_MAX_LOGPROB_DROP, DEFAULT_MIN_RETRIEVAL
+    from eval.retrieval_task import by_depth_line
     from foundation.atomic import check_output_dir
     from foundation.errors import KvslimError
 
@@ -252,7 +258,8 @@ def _plan(args: argparse.Namespace, source) -> int:
                    windows=tuple(dict.fromkeys(args.plan_windows)) if args.plan_windows else PLAN_WINDOWS,
                    dtypes=tuple(dict.fromkeys(args.kv_dtypes)) if args.kv_dtypes else PLAN_DTYPES,
                    progress=lambda line: print(f"  {line}", flush=True), min_retrieval=None if bound >= 1 else bound,
-                   retrieval_samples=RETRIEVAL_SAMPLES if args.retrieval_samples is None else args.retrieval_samples)
+                   retrieval_samples=RETRIEVAL_SAMPLES if args.retrieval_samples is None else args.retrieval_samples,
+                   max_logprob_drop=DEFAULT_MAX_LOGPROB_DROP if args.max_logprob_drop is None else args.max_logprob_drop)
     out = write_planned_checkpoint(source, plan, args.out, force=args.force)
     c = plan.chosen
     print(f"plan: {c.choice.describe(plan.num_layers)}")
@@ -262,8 +269,9 @@ def _plan(args: argparse.Namespace, source) -> int:
           f"({100 * (c.dev_ppl / plan.original_dev_ppl - 1):+.2f}%, served, {plan.dev_text})")
     if c.retrieval is not None:
         met = "within" if plan.retrieval_bound_met else "NOT within"
-        print(f"  calibration retrieval by depth {' '.join(f'{d}%:{100 * a:.0f}' for d, a in c.retrieval.items())} vs "
-              f"the original's {' '.join(f'{d}%:{100 * a:.0f}' for d, a in plan.original_retrieval.items())} "
-              f"({met} {100 * plan.min_retrieval:g} points at every depth; {plan.retrieval_prompts})")
+        print(f"  calibration retrieval by depth {by_depth_line(c.retrieval.accuracy())} vs the original's "
+              f"{by_depth_line(plan.original_retrieval.accuracy())}, found answers at most "
+              f"{c.retrieval.logprob_drop(plan.original_retrieval):.2f} nats/token less likely "
+              f"({met} the bound: {plan.bound.describe()}; {plan.retrieval_prompts})")
     print(f"  wrote {out} (plan.json: compress serve / eval --backend kvslim use {plan.kv_cache_dtype} KV by default)")
     return 0

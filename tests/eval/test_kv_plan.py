@@ -2,10 +2,12 @@
 budgets hold by allocation, the plan is written and read back, and bad requests are one line."""
 import argparse
 import json
+import math
 
 import pytest
 
 from eval.kv_plan import KvChoice, candidates, layer_bytes, original_bytes, plan_kv, write_planned_checkpoint
+from eval.retrieval_bound import ServedRetrieval
 from foundation.checkpoint import Checkpoint
 from foundation.errors import KvslimError
 from foundation.kv_plan_file import PLAN_FILE, planned_kv_dtype, read_plan
@@ -197,27 +199,53 @@ def test_a_retrieval_ranking_chooses_the_full_heads(tiny_llama):
             assert full == set((ranking or mass)[:len(full)]) and f"full heads by {by}" in c.choice.describe(4)
 
 
-def _fake_retrieval(monkeypatch, passes):
-    """served_retrieval answering by candidate: 1.0 at every depth where ``passes(config, kv_dtype)``, else 0 at 0%."""
+def _fake_retrieval(monkeypatch, passes, logprob=lambda config, kv_dtype: -0.1):
+    """served_retrieval answering by candidate: every prompt where ``passes(config, kv_dtype)``, else
+    all but those at depth 0; each answer's log-probability ``logprob(config, kv_dtype)``."""
     import eval.kv_plan as kv_plan
 
     def served(model_dir, config, kv_dtype, prompts, tokenizer, ctx):
         ok = passes(config, kv_dtype)
-        return {d: (1.0 if ok or d else 0.0) for d in kv_plan.RETRIEVAL_DEPTHS}
+        return ServedRetrieval(tuple(p.depth for p in prompts), tuple(logprob(config, kv_dtype) for _ in prompts),
+                               tuple(ok or p.depth > 0 for p in prompts))
     monkeypatch.setattr(kv_plan, "served_retrieval", served)
     monkeypatch.setattr(kv_plan, "retrieval_rank", lambda *a: [(layer, h) for layer in range(4) for h in range(2)])
 
 
+def _is_original(config: dict, kv_dtype: str) -> bool:
+    return kv_dtype == "bf16" and "sliding_window" not in config and "streaming_heads" not in config
+
+
 def test_a_budget_plan_takes_the_best_perplexity_within_the_retrieval_bound(tiny_with_tokenizer, monkeypatch):
-    _fake_retrieval(monkeypatch, lambda config, kv: kv == "bf16" and "sliding_window" not in config
-                    and "streaming_heads" not in config or kv == "int8")
+    _fake_retrieval(monkeypatch, lambda config, kv: _is_original(config, kv) or kv == "int8")
     plan = plan_kv(tiny_with_tokenizer, budget=0.6, ctx=CTX, windows=(16,), dtypes=("bf16", "int8", "int4"))
     assert plan.chosen.choice.kv_dtype == "int8" and plan.retrieval_bound_met
     better = [c for c in plan.candidates if c.dev_ppl < plan.chosen.dev_ppl]
-    assert all(c.retrieval is not None and c.retrieval[0] == 0.0 for c in better)  # served and refused
+    assert all(c.retrieval is not None and c.retrieval.accuracy()[0] == 0.0 for c in better)  # served, refused
     doc = json.loads(plan.to_json())
     assert doc["retrieval_bound_met"] is True and doc["min_retrieval"] == 0.05
+    assert doc["max_logprob_drop"] == pytest.approx(math.log(2)) and doc["retrieval_logprob_drop"] == 0.0
+    assert len(doc["retrieval_logprobs"]) == len(doc["original_retrieval_logprobs"]) == 10
     assert "passkey_calib" in doc["retrieval_prompts"]
+
+
+def test_a_candidate_that_keeps_the_hits_but_makes_the_answers_unlikely_is_refused(tiny_with_tokenizer, monkeypatch):
+    """Every greedy answer kept, but int8's answers ln 2 + 0.1 nats/token less likely than the
+    original's: the bound refuses int8 (the best dev perplexity here) for int4, and with
+    ``max_logprob_drop`` inf (hits alone) int8 passes."""
+    _fake_retrieval(monkeypatch, lambda config, kv: True,
+                    lambda config, kv: -0.1 - (math.log(2) + 0.1) * (kv == "int8"))
+    plan = plan_kv(tiny_with_tokenizer, budget=0.6, ctx=CTX, windows=(16,), dtypes=("int8", "int4"))
+    assert plan.chosen.choice.kv_dtype == "int4" and plan.retrieval_bound_met
+    refused = [c for c in plan.candidates if c.retrieval is not None and c.choice.kv_dtype == "int8"]
+    assert refused and all(c.retrieval.logprob_drop(plan.original_retrieval) > math.log(2) for c in refused)
+    drops = [c["retrieval_logprob_drop"] for c in json.loads(plan.to_json())["candidates"] if c["kv_dtype"] == "int8"]
+    assert max(d for d in drops if d is not None) == pytest.approx(math.log(2) + 0.1, abs=1e-3)
+    hits_alone = plan_kv(tiny_with_tokenizer, budget=0.6, ctx=CTX, windows=(16,), dtypes=("int8", "int4"),
+                         max_logprob_drop=math.inf)
+    assert hits_alone.chosen.choice.kv_dtype == "int8" and hits_alone.retrieval_bound_met
+    with pytest.raises(KvslimError, match="--max-logprob-drop -1"):
+        plan_kv(tiny_with_tokenizer, budget=0.6, ctx=CTX, windows=(16,), dtypes=("int8",), max_logprob_drop=-1)
 
 
 def test_retrieval_samples_set_the_calibration_prompts(tiny_with_tokenizer, monkeypatch):
@@ -237,15 +265,13 @@ def test_retrieval_samples_set_the_calibration_prompts(tiny_with_tokenizer, monk
 
 
 def test_a_budget_plan_missing_the_bound_keeps_the_most_retrieval_and_says_so(tiny_with_tokenizer, monkeypatch):
-    _fake_retrieval(monkeypatch, lambda config, kv: kv == "bf16" and "sliding_window" not in config
-                    and "streaming_heads" not in config)
+    _fake_retrieval(monkeypatch, _is_original)
     plan = plan_kv(tiny_with_tokenizer, budget=0.3, ctx=CTX, windows=(16,), dtypes=("int8", "int4"))
     assert plan.retrieval_bound_met is False and json.loads(plan.to_json())["retrieval_bound_met"] is False
 
 
 def test_a_quality_plan_that_no_candidate_keeps_retrieval_for_is_one_line(tiny_with_tokenizer, monkeypatch):
-    _fake_retrieval(monkeypatch, lambda config, kv: kv == "bf16" and "sliding_window" not in config
-                    and "streaming_heads" not in config)
+    _fake_retrieval(monkeypatch, _is_original)
     with pytest.raises(KvslimError, match="keeps calibration retrieval within 5 points"):
         plan_kv(tiny_with_tokenizer, max_ppl_increase=10.0, ctx=CTX, windows=(32,), dtypes=("int8",))
     plan = plan_kv(tiny_with_tokenizer, max_ppl_increase=10.0, ctx=CTX, windows=(32,), dtypes=("int8",),
@@ -253,8 +279,8 @@ def test_a_quality_plan_that_no_candidate_keeps_retrieval_for_is_one_line(tiny_w
     assert plan.chosen.retrieval is None and plan.retrieval_bound_met is None
 
 
-@pytest.mark.parametrize("flag", [["--min-retrieval", "0.1"], ["--kv-dtypes", "int4"], ["--retrieval-samples", "4"],
-                                  ["--plan-windows", "128"]])
+@pytest.mark.parametrize("flag", [["--min-retrieval", "0.1"], ["--max-logprob-drop", "1"], ["--kv-dtypes", "int4"],
+                                  ["--retrieval-samples", "4"], ["--plan-windows", "128"]])
 def test_plan_flags_without_a_plan_are_one_line(tiny_with_tokenizer, tmp_path, capsys, flag):
     from cli.main import main
 

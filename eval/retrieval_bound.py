@@ -1,0 +1,66 @@
+"""The KV planner's retrieval bound: a candidate must keep the calibration facts the original finds.
+
+Two prompts a depth (the planner's default) move a hit rate in steps of 50 points, and a candidate
+that makes every fact less likely without yet flipping a greedy answer passes a hit bound alone.
+So the bound has two parts, both against the original served the same way:
+- hits: at every depth, accuracy no more than ``min_retrieval`` below the original's;
+- answer log-probability: on every prompt the original answers, the mean log-probability of the
+  answer's tokens (teacher-forced, as served) no more than ``max_logprob_drop`` below the original's.
+  The default, ln 2, lets a found fact's answer become at most half as likely per token; it was
+  fixed from first principles, not fitted to any measurement.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+DEFAULT_MIN_RETRIEVAL = 0.05  # at most this far below the original's accuracy at any depth
+DEFAULT_MAX_LOGPROB_DROP = math.log(2)  # nats per answer token on a fact the original finds
+
+
+@dataclass(frozen=True)
+class ServedRetrieval:
+    """Calibration retrieval served with one cache: per prompt (in the planner's prompt order) its
+    depth, the mean log-probability of its answer's tokens, and whether greedy decoding answers it."""
+    depths: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    hits: tuple[bool, ...]
+
+    def accuracy(self) -> dict[int, float]:
+        """Depth -> share of its prompts answered."""
+        by_depth: dict[int, list[bool]] = {}
+        for d, hit in zip(self.depths, self.hits):
+            by_depth.setdefault(d, []).append(hit)
+        return {d: sum(h) / len(h) for d, h in sorted(by_depth.items())}
+
+    def logprob_drop(self, original: ServedRetrieval) -> float:
+        """The largest fall of the answer's log-probability from ``original``'s over the prompts the
+        original answers (0.0 where it answers none)."""
+        if original.depths != self.depths:
+            raise ValueError("retrieval served on different prompts")
+        drops = [o - c for c, o, hit in zip(self.logprobs, original.logprobs, original.hits) if hit]
+        return max([0.0, *drops])
+
+
+@dataclass(frozen=True)
+class RetrievalBound:
+    min_retrieval: float = DEFAULT_MIN_RETRIEVAL
+    max_logprob_drop: float = DEFAULT_MAX_LOGPROB_DROP
+
+    def hit_margin(self, served: ServedRetrieval, original: ServedRetrieval) -> float:
+        """The smallest (accuracy - original's) over depths; the hit part holds where >= -min_retrieval."""
+        mine = served.accuracy()
+        return min(mine.get(d, 0.0) - acc for d, acc in original.accuracy().items())
+
+    def met(self, served: ServedRetrieval, original: ServedRetrieval) -> bool:
+        return (self.hit_margin(served, original) >= -self.min_retrieval - 1e-9
+                and served.logprob_drop(original) <= self.max_logprob_drop + 1e-9)
+
+    def keeps_more(self, served: ServedRetrieval, original: ServedRetrieval) -> tuple[float, int, float]:
+        """A sort key, larger keeping more: the hit margin, then the prompts answered, then the
+        log-probability lost (which separates candidates whose hits tie)."""
+        return (self.hit_margin(served, original), sum(served.hits), -served.logprob_drop(original))
+
+    def describe(self) -> str:
+        return (f"{100 * self.min_retrieval:g} points of the original's accuracy at every depth, and answers "
+                f"it finds at most {self.max_logprob_drop:.2f} nats/token less likely")
