@@ -175,7 +175,8 @@ class KvPlan:
             "original_retrieval": accuracy(orig),
             "retrieval_logprob_drop": drop(c.retrieval),
             "min_retrieval": None if self.bound is None else self.bound.min_retrieval,
-            "max_logprob_drop": None if self.bound is None else self.bound.max_logprob_drop,
+            "max_logprob_drop": None if self.bound is None or math.isinf(self.bound.max_logprob_drop)
+            else self.bound.max_logprob_drop,  # null with a bound: hits alone
             "retrieval_bound_met": self.retrieval_bound_met,
             "retrieval_prompts": self.retrieval_prompts,
             "retrieval_logprobs": logprobs(c.retrieval),

@@ -244,6 +244,7 @@ def test_a_candidate_that_keeps_the_hits_but_makes_the_answers_unlikely_is_refus
     hits_alone = plan_kv(tiny_with_tokenizer, budget=0.6, ctx=CTX, windows=(16,), dtypes=("int8", "int4"),
                          max_logprob_drop=math.inf)
     assert hits_alone.chosen.choice.kv_dtype == "int8" and hits_alone.retrieval_bound_met
+    assert json.loads(hits_alone.to_json())["max_logprob_drop"] is None
     with pytest.raises(KvslimError, match="--max-logprob-drop -1"):
         plan_kv(tiny_with_tokenizer, budget=0.6, ctx=CTX, windows=(16,), dtypes=("int8",), max_logprob_drop=-1)
 
