@@ -6,8 +6,10 @@ So the bound has two parts, both against the original served the same way:
 - hits: at every depth, accuracy no more than ``min_retrieval`` below the original's;
 - answer log-probability: on every prompt the original answers, the mean log-probability of the
   answer's tokens (teacher-forced, as served) no more than ``max_logprob_drop`` below the original's.
-  The default, ln 2, lets a found fact's answer become at most half as likely per token; it was
-  fixed from first principles, not fitted to any measurement.
+  The default, ln 2, lets a found fact's answer become at most half as likely per token: a round
+  figure fixed before any plan was chosen under it, not fitted to a measurement.
+A hit is greedy decoding giving exactly the answer's tokens (``eval.retrieval_logprob``), stricter
+than the evaluation's "the first number answered is the key".
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ DEFAULT_MAX_LOGPROB_DROP = math.log(2)  # nats per answer token on a fact the or
 @dataclass(frozen=True)
 class ServedRetrieval:
     """Calibration retrieval served with one cache: per prompt (in the planner's prompt order) its
-    depth, the mean log-probability of its answer's tokens, and whether greedy decoding answers it."""
+    depth, the mean log-probability of its answer's tokens, and whether greedy decoding gives them."""
     depths: tuple[int, ...]
     logprobs: tuple[float, ...]
     hits: tuple[bool, ...]
