@@ -431,8 +431,7 @@ def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase
         cand = replace(cand, retrieval=served_retrieval(ckpt.path, cand.choice.config(config), cand.choice.kv_dtype,
                                                         prompts, tokenizer, ctx))
         ok = bound.met(cand.retrieval, original_ret)
-        progress(f"  retrieval of {cand.choice.describe(n)}: {by_depth_line(cand.retrieval.accuracy())}, found answers "
-                 f"at most {cand.retrieval.logprob_drop(original_ret):.2f} nats/token less likely "
+        progress(f"  retrieval of {cand.choice.describe(n)}: {bound.kept(cand.retrieval, original_ret)} "
                  f"({'within' if ok else 'NOT within'} the bound: {bound.describe()})")
         return cand, ok
 
@@ -465,8 +464,7 @@ def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase
         if chosen is None:  # the bound missed by all checked: keep the most retrieval
             chosen = max(checked, key=lambda c: (*bound.keeps_more(c.retrieval, original_ret), -c.dev_ppl))
             progress(f"no candidate checked keeps retrieval within the bound ({bound.describe()}): chose the one "
-                     f"that keeps the most ({by_depth_line(chosen.retrieval.accuracy())}, found answers at most "
-                     f"{chosen.retrieval.logprob_drop(original_ret):.2f} nats/token less likely)")
+                     f"that keeps the most ({bound.kept(chosen.retrieval, original_ret)})")
         by_choice = {c.choice: c for c in checked}
         served = [by_choice.get(c.choice, c) for c in served]
     elif chosen is None:

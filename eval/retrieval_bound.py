@@ -63,6 +63,13 @@ class RetrievalBound:
         log-probability lost (which separates candidates whose hits tie)."""
         return (self.hit_margin(served, original), sum(served.hits), -served.logprob_drop(original))
 
+    def kept(self, served: ServedRetrieval, original: ServedRetrieval) -> str:
+        """"0%:50 25%:100 ..., found answers at most 0.55 nats/token less likely": what ``served`` kept."""
+        from eval.retrieval_task import by_depth_line
+
+        return (f"{by_depth_line(served.accuracy())}, found answers at most {served.logprob_drop(original):.2f} "
+                "nats/token less likely")
+
     def describe(self) -> str:
         return (f"{100 * self.min_retrieval:g} points of the original's accuracy at every depth, and answers "
                 f"it finds at most {self.max_logprob_drop:.2f} nats/token less likely")

@@ -269,9 +269,8 @@ def _plan(args: argparse.Namespace, source) -> int:
           f"({100 * (c.dev_ppl / plan.original_dev_ppl - 1):+.2f}%, served, {plan.dev_text})")
     if c.retrieval is not None:
         met = "within" if plan.retrieval_bound_met else "NOT within"
-        print(f"  calibration retrieval by depth {by_depth_line(c.retrieval.accuracy())} vs the original's "
-              f"{by_depth_line(plan.original_retrieval.accuracy())}, found answers at most "
-              f"{c.retrieval.logprob_drop(plan.original_retrieval):.2f} nats/token less likely "
-              f"({met} the bound: {plan.bound.describe()}; {plan.retrieval_prompts})")
+        print(f"  calibration retrieval by depth {plan.bound.kept(c.retrieval, plan.original_retrieval)}; the "
+              f"original's {by_depth_line(plan.original_retrieval.accuracy())} ({met} the bound: "
+              f"{plan.bound.describe()}; {plan.retrieval_prompts})")
     print(f"  wrote {out} (plan.json: compress serve / eval --backend kvslim use {plan.kv_cache_dtype} KV by default)")
     return 0
