@@ -21,11 +21,14 @@ also bounded by retrieval (``eval.retrieval_bound``: within 5 points of the orig
 every depth, and every fact the original finds at most half as likely per answer token) on
 calibration retrieval prompts (``eval.retrieval_task``'s ``*_calib`` wording and
 ``wikipedia:calib`` prose, disjoint from the evaluation tasks), served like the perplexity. Streaming
-heads are then chosen DuoAttention's way, by the attention the question puts on the fact in those
-retrieval prompts (``attention_variants.retrieval_heads``), instead of by attention mass beyond the
-window on ordinary text (which keeps perplexity as well and lost the early facts in every plan
-measured). With a ``HIGH/LOW`` mix among the dtypes, the retrieval heads may also keep ``HIGH``
-while the others store ``LOW`` over the whole context (KV bits per head, ``eval.kv_precision_heads``).
+heads are then chosen DuoAttention's way, by what streaming each head alone costs the answers of
+other calibration retrieval prompts (the gradient of their log-probability at a gate mixing the
+head's full and streaming attention, ``attention_variants.retrieval_gates``), instead of by attention
+mass beyond the window on ordinary text (which keeps perplexity as well and lost the early facts in
+every plan measured) or by the attention the question puts on the fact (which lost some). With a
+``HIGH/LOW`` mix among the dtypes, the heads the question's attention finds the fact through may
+also keep ``HIGH`` while the others store ``LOW`` over the whole context (KV bits per head,
+``eval.kv_precision_heads``).
 The candidates best by dev perplexity are checked in that
 order (at most ``RETRIEVAL_CHECKS``) and the first within the bound is chosen; where none is, the
 one that keeps the most retrieval, and ``plan.json`` says the bound was missed.
@@ -40,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from attention_variants.convert import DEFAULT_SINKS, ConvertSpec, convert
-from eval.kv_plan_measurements import rank, retrieval_rank, served_perplexity, served_retrieval
+from eval.kv_plan_measurements import gate_rank, rank, retrieval_rank, served_perplexity, served_retrieval
 from eval.retrieval_bound import DEFAULT_MAX_LOGPROB_DROP, DEFAULT_MIN_RETRIEVAL, RetrievalBound, ServedRetrieval
 from eval.retrieval_task import by_depth_line
 from foundation.attention_layout import FULL, SINKS_KEY, SLIDING, STREAMING_KEY, AttentionLayout
@@ -63,6 +66,8 @@ DEV_WINDOWS = 2  # dev slice: 2 x N tokens after the calibration windows (3 scor
 RETRIEVAL_CALIB = ("passkey_calib", "needle_calib")  # eval.retrieval_task: never the evaluation wording
 RETRIEVAL_DEPTHS = (0, 25, 50, 75, 100)
 RETRIEVAL_SAMPLES = 1  # default prompts per task and depth: 2 per depth over both tasks (the demo's budget)
+RANKING_DEPTHS = (0, 25, 50, 75)  # the KV heads' ranking prompts: 8 over both tasks, none the bound checks
+GATE_RANKED = "retrieval gate"
 RETRIEVAL_CHECKS = 6  # candidates whose retrieval is served, best dev perplexity first
 
 
@@ -129,6 +134,7 @@ class KvPlan:
     original_retrieval: ServedRetrieval | None = None
     bound: RetrievalBound | None = None  # None: not applied
     retrieval_prompts: str = ""
+    ranking_prompts: str = ""  # what the streaming KV heads were ranked on ("": by attention mass)
 
     @property
     def retrieval_bound_met(self) -> bool | None:
@@ -179,6 +185,7 @@ class KvPlan:
             else self.bound.max_logprob_drop,  # null with a bound: hits alone
             "retrieval_bound_met": self.retrieval_bound_met,
             "retrieval_prompts": self.retrieval_prompts,
+            "heads_ranked_on": self.ranking_prompts or None,
             "retrieval_logprobs": logprobs(c.retrieval),
             "original_retrieval_logprobs": logprobs(orig),
             "candidates": [{**asdict(x.choice), "kv_bytes_per_token": round(x.kv_bytes_per_token, 1),
@@ -260,16 +267,16 @@ def split_by_rank(ranked: list[tuple[int, int]], k: int, layers: int,
 
 def head_candidates(config: dict, ctx: int, budget_bytes: float | None, head_ranking: dict[int, list[tuple[int, int]]],
                     original: float, dtype: str, layer_counts: dict[int, list[int]],
-                    retrieval_ranking: list[tuple[int, int]] | None = None) -> list[Candidate]:
+                    gate_ranking: dict[int, list[tuple[int, int]]] | None = None) -> list[Candidate]:
     """Streaming-head choices for one dtype: per window, the most full KV heads the budget allows
     (without a budget: the full-layer ladder's counts in heads), the others streaming;
-    ``head_ranking[W]``: (layer, head) by attention mass beyond W, most first; ``retrieval_ranking``,
-    when given, replaces it: by the attention the question puts on the fact in retrieval prompts
-    (the same for every window; DuoAttention's criterion). Bytes by allocation."""
+    ``head_ranking[W]``: (layer, head) by attention mass beyond W, most first; ``gate_ranking[W]``,
+    when given, replaces it: by what streaming each head alone costs calibration retrieval answers
+    (DuoAttention's gates, ``eval.kv_plan_measurements.gate_rank``). Bytes by allocation."""
     n, kvh = int(config["num_hidden_layers"]), int(config.get("num_key_value_heads") or config["num_attention_heads"])
     out = []
-    if retrieval_ranking:
-        rankings = [(w, retrieval_ranking, "retrieval") for w in head_ranking]
+    if gate_ranking:
+        rankings = [(w, gate_ranking[w], GATE_RANKED) for w in head_ranking]
     else:
         rankings = [(w, ranked, "mass") for w, ranked in head_ranking.items()]
     for w, ranked, by in rankings:
@@ -318,12 +325,14 @@ def precision_head_candidates(config: dict, ctx: int, budget_bytes: float | None
 def candidates(config: dict, ctx: int, budget_bytes: float | None, ranking: dict[int, list[int]],
                original: float, dtypes: tuple[str, ...] = PLAN_DTYPES,
                head_ranking: dict[int, list[tuple[int, int]]] | None = None,
-               retrieval_ranking: list[tuple[int, int]] | None = None) -> list[Candidate]:
+               retrieval_ranking: list[tuple[int, int]] | None = None,
+               gate_ranking: dict[int, list[tuple[int, int]]] | None = None) -> list[Candidate]:
     """Every choice to serve, with its bytes: per dtype, full attention, and per window the most
     full layers the budget allows (without a budget: a ladder of full-layer counts), and with
-    ``head_ranking`` the most full KV heads (``head_candidates``); for a ``HIGH/LOW`` mix with
-    ``retrieval_ranking``, KV bits per head too (``precision_head_candidates``). ``ranking[W]``: the layers by
-    attention mass beyond W, most first; ``original``: ``original_bytes``."""
+    ``head_ranking`` the most full KV heads (``head_candidates``; by ``gate_ranking`` when given);
+    for a ``HIGH/LOW`` mix with ``retrieval_ranking``, KV bits per head too
+    (``precision_head_candidates``). ``ranking[W]``: the layers by attention mass beyond W, most
+    first; ``original``: ``original_bytes``."""
     n = int(config["num_hidden_layers"])
     out = []
     for dtype in dtypes:
@@ -348,7 +357,7 @@ def candidates(config: dict, ctx: int, budget_bytes: float | None, ranking: dict
                 out.append(Candidate(choice, nbytes, original / nbytes))
         if head_ranking:
             out += head_candidates(config, ctx, budget_bytes, head_ranking, original, dtype, layer_counts,
-                                   retrieval_ranking)
+                                   gate_ranking)
         if retrieval_ranking and SEPARATOR in dtype and config.get("max_position_embeddings"):
             out += precision_head_candidates(config, ctx, budget_bytes, original, dtype, retrieval_ranking)
     unique = {(c.choice.kv_dtype, c.choice.window, c.choice.global_layers, c.choice.streaming): c
@@ -373,6 +382,18 @@ def retrieval_prompts(tokenizer, ctx: int, samples: int = RETRIEVAL_SAMPLES,
 
     return [p for name in tasks
             for p in RetrievalTask(name, contexts=(ctx,), depths=RETRIEVAL_DEPTHS, samples=samples).prompts(tokenizer)]
+
+
+def ranking_prompts(tokenizer, ctx: int, sample: int, tasks: tuple[str, ...] = RETRIEVAL_CALIB) -> list:
+    """The calibration retrieval prompts the KV heads are ranked on: one per task and depth below
+    100% (a fact at the end lies in every window), the ``sample``-th of each, so that a bound
+    checking ``sample`` prompts a task and depth never sees them."""
+    from eval.retrieval_task import RetrievalTask
+
+    n = sample + 1
+    return [p for name in tasks
+            for j, p in enumerate(RetrievalTask(name, contexts=(ctx,), depths=RANKING_DEPTHS, samples=n).prompts(tokenizer))
+            if j % n == sample]
 
 
 def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase: float | None = None,
@@ -405,10 +426,16 @@ def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase
     prompts = retrieval_prompts(tokenizer, ctx, retrieval_samples) if min_retrieval is not None else []
     prompt_text = (f"{len(prompts)} prompts of {ctx} tokens: {', '.join(RETRIEVAL_CALIB)} at depths "
                    f"{', '.join(map(str, RETRIEVAL_DEPTHS))}%" if prompts else "")
-    retrieval_ranking = None
-    if prompts and heads and windows:
-        progress(f"ranking KV heads by the attention the question puts on the fact ({prompt_text})")
-        retrieval_ranking = retrieval_rank(ckpt.path, tokenizer, prompts)
+    retrieval_ranking = gate_ranking = None
+    ranked_on = ranking_prompts(tokenizer, ctx, retrieval_samples) if prompts and heads and windows else []
+    ranking_text = (f"{len(ranked_on)} other prompts of {ctx} tokens ({', '.join(RETRIEVAL_CALIB)} at depths "
+                    f"{', '.join(map(str, RANKING_DEPTHS))}%)" if ranked_on else "")
+    if ranked_on:
+        progress(f"ranking KV heads by what streaming each costs the answers of {ranking_text}")
+        gate_ranking = gate_rank(ckpt.path, tokenizer, ranked_on, windows, PLAN_SINKS)
+        if any(SEPARATOR in d for d in dtypes):
+            progress("ranking KV heads by the attention the question puts on the fact, for KV bits per head")
+            retrieval_ranking = retrieval_rank(ckpt.path, tokenizer, ranked_on)
     original = original_bytes(config, ctx)
     original_ppl = served_perplexity(ckpt.path, config, "bf16", dev, dev_text, ctx)
     original_ret = served_retrieval(ckpt.path, config, "bf16", prompts, tokenizer, ctx) if prompts else None
@@ -416,7 +443,7 @@ def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase
     progress(f"original (bf16 KV): {original:,.0f} B/token @{ctx}, dev ppl {original_ppl:.3f}"
              + (f", retrieval by depth {by_depth_line(original_ret.accuracy())}" if original_ret else ""))
     todo = candidates(config, ctx, None if budget is None else budget * original, ranking, original, dtypes,
-                      head_ranking if heads else None, retrieval_ranking)
+                      head_ranking if heads else None, retrieval_ranking, gate_ranking)
     if not todo:
         raise KvslimError(f"no KV plan fits {budget:g} of the original's bytes at context {ctx} (the smallest: "
                           f"{min(dtypes, key=_bits)} with every layer sliding over the shortest window)")
@@ -475,7 +502,7 @@ def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase
         raise KvslimError(f"no KV plan within +{100 * max_ppl_increase:g}% dev perplexity keeps calibration retrieval "
                           f"within {bound.describe()} ({checks} checked; --min-retrieval 1 plans by perplexity alone)")
     return KvPlan(ctx, budget, max_ppl_increase, n, original, original_ppl, chosen, tuple(served),
-                  calibration, dev_text, original_ret, bound, prompt_text)
+                  calibration, dev_text, original_ret, bound, prompt_text, ranking_text)
 
 
 def _bits(dtype: str) -> float:

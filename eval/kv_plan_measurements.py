@@ -74,6 +74,23 @@ def served_retrieval(model_dir: Path, config: dict, kv_dtype: str, prompts: list
                            tuple(hit for _, hit in answers))
 
 
+def gate_rank(model_dir: Path, tokenizer, prompts: list, windows: tuple[int, ...],
+              sinks: int) -> dict[int, list[tuple[int, int]]]:
+    """Per window, (layer, KV head) by how much streaming the head alone would cost the prompts'
+    answers (the gradient of their log-probability at DuoAttention's gate,
+    ``attention_variants.retrieval_gates``), most first."""
+    from transformers import AutoModelForCausalLM
+
+    from attention_variants.retrieval_gates import retrieval_gate_scores
+    from eval.retrieval_logprob import answer_ids
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    encoded = [answer_ids(tokenizer, p.text, p.answer) for p in prompts]
+    scores = retrieval_gate_scores(model, encoded, windows, sinks)
+    return {w: [divmod(int(i), s.shape[1]) for i in s.flatten().argsort(descending=True, stable=True)]
+            for w, s in scores.items()}
+
+
 def retrieval_rank(model_dir: Path, tokenizer, prompts: list) -> list[tuple[int, int]]:
     """(layer, KV head) by the attention the question puts on the fact, most first
     (``attention_variants.retrieval_heads``), over the prompts whose fact is not at the end."""

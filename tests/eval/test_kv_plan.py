@@ -183,20 +183,32 @@ def test_a_bad_plan_file_is_one_line(tmp_path):
     assert KvChoice("int4").config({"a": 1}) == {"a": 1}
 
 
-def test_a_retrieval_ranking_chooses_the_full_heads(tiny_llama):
-    """With retrieval prompts (a retrieval bound), the full heads are the ones the question's
-    attention finds the fact through, not those with the most mass beyond the window."""
+def test_a_gate_ranking_chooses_the_full_heads(tiny_llama):
+    """With retrieval prompts (a retrieval bound), the full heads are the ones whose streaming would
+    cost the calibration answers most, not those with the most mass beyond the window."""
     config = Checkpoint.open(tiny_llama).config
     original = original_bytes(config, CTX)
     mass = [(3, 1), (1, 0), (0, 0), (2, 1), (3, 0), (1, 1), (0, 1), (2, 0)]
-    retrieval = list(reversed(mass))
-    for ranking, by in ((None, "mass"), (retrieval, "retrieval")):
-        heads = [c for c in candidates(config, CTX, 0.7 * original, {}, original, ("bf16",), {16: mass}, ranking)
-                 if c.choice.streaming is not None]
+    gates = list(reversed(mass))
+    for ranking, by in ((None, "mass"), ({16: gates}, "retrieval gate")):
+        heads = [c for c in candidates(config, CTX, 0.7 * original, {}, original, ("bf16",), {16: mass},
+                                       gate_ranking=ranking) if c.choice.streaming is not None]
         assert heads and {c.choice.heads_by for c in heads} == {by}
         for c in heads:
             full = {(layer, h) for layer in range(4) for h in range(2) if h not in c.choice.streaming[layer]}
-            assert full == set((ranking or mass)[:len(full)]) and f"full heads by {by}" in c.choice.describe(4)
+            assert full == set((gates if ranking else mass)[:len(full)]) and f"full heads by {by}" in c.choice.describe(4)
+
+
+def test_the_heads_are_ranked_on_prompts_the_bound_never_checks(tiny_with_tokenizer):
+    from eval.kv_plan import RANKING_DEPTHS, RETRIEVAL_CALIB, ranking_prompts, retrieval_prompts
+    from foundation.calibration import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_with_tokenizer)
+    for samples in (1, 2):
+        checked = {p.text for p in retrieval_prompts(tokenizer, CTX, samples)}
+        ranked = ranking_prompts(tokenizer, CTX, samples)
+        assert len(ranked) == len(RETRIEVAL_CALIB) * len(RANKING_DEPTHS) and not checked & {p.text for p in ranked}
+        assert [p.depth for p in ranked] == list(RANKING_DEPTHS) * len(RETRIEVAL_CALIB)
 
 
 def _fake_retrieval(monkeypatch, passes, logprob=lambda config, kv_dtype: -0.1):
@@ -209,7 +221,9 @@ def _fake_retrieval(monkeypatch, passes, logprob=lambda config, kv_dtype: -0.1):
         return ServedRetrieval(tuple(p.depth for p in prompts), tuple(logprob(config, kv_dtype) for _ in prompts),
                                tuple(ok or p.depth > 0 for p in prompts))
     monkeypatch.setattr(kv_plan, "served_retrieval", served)
-    monkeypatch.setattr(kv_plan, "retrieval_rank", lambda *a: [(layer, h) for layer in range(4) for h in range(2)])
+    ranked = [(layer, h) for layer in range(4) for h in range(2)]
+    monkeypatch.setattr(kv_plan, "retrieval_rank", lambda *a: ranked)
+    monkeypatch.setattr(kv_plan, "gate_rank", lambda model_dir, tokenizer, prompts, windows, sinks: {w: ranked for w in windows})
 
 
 def _is_original(config: dict, kv_dtype: str) -> bool:

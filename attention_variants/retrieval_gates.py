@@ -1,0 +1,108 @@
+"""Retrieval gates (DuoAttention's fit, to first order): per KV head and window, how much the
+calibration answers' log-probability depends on the head seeing the whole context rather than its
+sinks and the last W tokens.
+
+DuoAttention gives each KV head a gate ``g`` mixing its full attention and its streaming attention,
+``g * full + (1 - g) * streaming``, and fits the gates on synthetic retrieval prompts. Here every
+gate sits at 1 (the model as it is) and one backward pass per prompt gives the gradient of the
+answer's mean log-probability (teacher-forced) with respect to each gate: the first-order loss of
+streaming that head alone (attribution patching). Since the mixed output is linear in ``g``, the
+gradient is exact for the direction and one pass scores every window at once. A high score marks a
+head whose stream would cost the answer most: a head to keep full.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ROW_CHUNK = 1024  # query rows per streaming attention: [heads, 1,024, T] scores at a time
+
+
+class GatedAttention:
+    """Each layer's attention forward replaced by full attention plus, per window, a zero-valued
+    gated term ``(g_w - 1) * (full - streaming_w)`` per KV head, ``g_w`` = 1 with gradient."""
+
+    def __init__(self, model, windows: tuple[int, ...], sinks: int):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        self._rotate = apply_rotary_pos_emb
+        cfg = model.config
+        n, kvh = cfg.num_hidden_layers, cfg.num_key_value_heads
+        self.windows, self.sinks = windows, sinks
+        self.gates = {w: torch.ones(n, kvh, requires_grad=True) for w in windows}
+        self._patched = []
+        for i, layer in enumerate(model.model.layers):
+            attn = layer.self_attn
+            self._patched.append((attn, attn.forward))
+            attn.forward = self._forward(attn, i)
+
+    def _forward(self, attn, i: int):
+        def forward(hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
+            b, t, _ = hidden_states.shape
+            d = attn.head_dim
+            q = attn.q_proj(hidden_states).view(b, t, -1, d)
+            k = attn.k_proj(hidden_states).view(b, t, -1, d)
+            v = attn.v_proj(hidden_states).view(b, t, -1, d).transpose(1, 2)
+            if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head norms before rotary
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            cos, sin = position_embeddings
+            q, k = self._rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            h, kvh = q.shape[1], k.shape[1]
+            rep = h // kvh
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            full = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)  # [B, H, T, D]
+            out = full
+            for w in self.windows:
+                if t <= w:
+                    continue  # a window this long streams nothing here
+                g = self.gates[w][i].repeat_interleave(rep).view(1, h, 1, 1)
+                out = out + (g - 1) * self._streaming_change(full, q, k, v, w, attn.scaling)
+            out = out.transpose(1, 2).reshape(b, t, -1)
+            return attn.o_proj(out), None
+        return forward
+
+    @torch.no_grad()  # a constant direction: the gate's gradient needs no path through it
+    def _streaming_change(self, full, q, k, v, w: int, scale: float) -> torch.Tensor:
+        """``full - streaming_w`` per query head, ``[B, H, T, D]``: zero in the first ``w`` rows
+        (they see no key beyond the window); the rest in chunks of ``ROW_CHUNK`` query rows."""
+        t = q.shape[2]
+        delta = torch.zeros_like(full)
+        pos = torch.arange(t, device=q.device)
+        for a in range(w, t, ROW_CHUNK):
+            end = min(a + ROW_CHUNK, t)  # these rows see keys before ``end`` only
+            rows, keys = pos[a:end, None], pos[None, :end]
+            local = (rows >= keys) & ((rows - keys < w) | (keys < self.sinks))
+            stream = F.scaled_dot_product_attention(q[:, :, a:end], k[:, :, :end], v[:, :, :end], attn_mask=local,
+                                                    scale=scale)
+            delta[:, :, a:end] = full[:, :, a:end] - stream
+        return delta
+
+    def remove(self) -> None:
+        for attn, forward in self._patched:
+            attn.forward = forward
+
+
+def answer_logprob(model, prompt: list[int], answer: list[int]) -> torch.Tensor:
+    """The mean log-probability of ``answer``'s tokens after ``prompt``, teacher-forced (differentiable)."""
+    ids = torch.tensor([prompt + answer[:-1]])
+    logits = model(input_ids=ids, use_cache=False, logits_to_keep=len(answer)).logits[0].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(answer)[:, None]).mean()
+
+
+def retrieval_gate_scores(model, encoded: list[tuple[list[int], list[int]]], windows: tuple[int, ...],
+                          sinks: int) -> dict[int, torch.Tensor]:
+    """Per window, ``[layers, kv_heads]``: the gradient of the answers' summed mean log-probability
+    with respect to each head's gate at 1, over ``encoded`` (``(prompt ids, answer ids)``); a
+    transformers Llama-family model. Higher: streaming the head costs the answers more."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    probe = GatedAttention(model, windows, sinks)
+    try:
+        for prompt, answer in encoded:
+            answer_logprob(model, prompt, answer).backward()
+    finally:
+        probe.remove()
+        for p in params:
+            p.requires_grad_(True)
+    return {w: g.grad.detach().clone() if g.grad is not None else torch.zeros_like(g) for w, g in probe.gates.items()}

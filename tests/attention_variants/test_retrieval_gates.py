@@ -1,0 +1,94 @@
+"""Retrieval gates: at 1 the model is unchanged; at 0 a head streams as the runtime serves it; the
+score is the gradient of the answer's log-probability with respect to the gate."""
+import json
+
+import pytest
+import torch
+
+from attention_variants.retrieval_gates import GatedAttention, answer_logprob, retrieval_gate_scores
+
+WINDOW, SINKS = 8, 2
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+
+def ids(n: int) -> list[int]:
+    return torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+
+
+@torch.no_grad()
+def test_gates_at_one_leave_the_model_as_it_is(model):
+    x = torch.tensor([ids(40)])
+    before = model(input_ids=x).logits
+    gated = GatedAttention(model, (WINDOW,), SINKS)
+    try:
+        during = model(input_ids=x).logits
+    finally:
+        gated.remove()
+    torch.testing.assert_close(during, before, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model(input_ids=x).logits, before, atol=0, rtol=0)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("row_chunk", [1024, 16])
+def test_a_gate_at_zero_streams_its_head_as_the_runtime_serves_it(model, tiny_llama, monkeypatch, row_chunk):
+    """The gated branch is the runtime's streaming head: the same log-probabilities (fp32 KV), its
+    query rows streamed at once or in chunks."""
+    import attention_variants.retrieval_gates as retrieval_gates
+    from eval.kv_plan_measurements import served_engine
+    from foundation.attention_layout import STREAMING_KEY
+
+    monkeypatch.setattr(retrieval_gates, "ROW_CHUNK", row_chunk)
+    config = json.loads((tiny_llama / "config.json").read_text())
+    layer, head = 1, 0
+    kv_heads = [[head] if i == layer else [] for i in range(config["num_hidden_layers"])]
+    streaming = {**config, STREAMING_KEY: {"window": WINDOW, "sinks": SINKS, "kv_heads": kv_heads}}
+    tokens = ids(40)
+    gated = GatedAttention(model, (WINDOW,), SINKS)
+    try:
+        gated.gates[WINDOW][layer, head] = 0.0
+        logits = model(input_ids=torch.tensor([tokens])).logits[0, :-1]
+    finally:
+        gated.remove()
+    ours = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    with served_engine(tiny_llama, streaming, "fp32", len(tokens)) as engine:
+        served = engine.score_targets(tokens)
+    torch.testing.assert_close(ours, served, atol=1e-4, rtol=1e-4)
+    with served_engine(tiny_llama, config, "fp32", len(tokens)) as engine:
+        assert (engine.score_targets(tokens) - served).abs().max() > 1e-3  # the head's stream does change them
+
+
+def test_the_score_is_the_answers_log_probability_gradient(model):
+    prompt, answer = ids(30), ids(3)
+    scores = retrieval_gate_scores(model, [(prompt, answer)], (WINDOW, 64), SINKS)
+    assert set(scores) == {WINDOW, 64}
+    assert torch.count_nonzero(scores[64]) == 0  # a window longer than the prompt streams nothing
+    top = divmod(int(scores[WINDOW].abs().flatten().argmax()), scores[WINDOW].shape[1])
+    eps = 1e-3
+    gated = GatedAttention(model, (WINDOW,), SINKS)
+    try:
+        with torch.no_grad():
+            base = answer_logprob(model, prompt, answer)
+            gated.gates[WINDOW][top] = 1 - eps
+            nudged = answer_logprob(model, prompt, answer)
+    finally:
+        gated.remove()
+    assert (base - nudged) / eps == pytest.approx(float(scores[WINDOW][top]), rel=0.05, abs=1e-4)
+    assert all(p.requires_grad for p in model.parameters())  # the model is left trainable as it was
+
+
+def test_the_ranking_benchmark_compares_three_rankings_at_the_same_bytes(tiny_with_tokenizer, tmp_path, capsys):
+    from tests.benchmark_scripts import load_benchmark
+
+    out = tmp_path / "ranking.json"
+    bench = load_benchmark("streaming_heads_ranking")
+    assert bench.main([str(tiny_with_tokenizer), "--ctx", "64", "--window", "16", "--budget", "0.7",
+                       "--kv-dtype", "bf16", "--samples", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["ranking"] for r in rows] == ["bf16, full attention", "mass", "retrieval", "gate"]
+    assert len({r["kv_bytes_per_token"] for r in rows[1:]}) == 1 and "| gate |" in capsys.readouterr().out
