@@ -21,7 +21,7 @@ demo: install
 
 ## The whole test suite (what CI runs).
 test: install
-	$(PYTHON) -m pytest -q -p no:cacheprovider
+	$(PYTHON) -m pytest -q -p no:cacheprovider --durations=30
 
 ## The quick benchmarks (minutes on 2 cores): KV bytes and capacity, quantized-KV perplexity as
 ## served, decode speed of each weight storage at fp32 vs bf16, a decode step's time eager vs
