@@ -67,10 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         _, dev, _, dev_text = plan_texts(tok, args.ctx)
         tasks, ranking_tasks = tuple(args.tasks or RETRIEVAL_CALIB), tuple(args.ranking_tasks or RETRIEVAL_CALIB)
         # measured prompts follow the ranked ones in each depth's seeded sequence: never ranked on
-        every_prompt = args.ranking_samples + args.samples
         named = [(name, p) for name in tasks
-                 for i, p in enumerate(retrieval_prompts(tok, args.ctx, every_prompt, (name,)))
-                 if i % every_prompt >= args.ranking_samples]
+                 for p in retrieval_prompts(tok, args.ctx, args.samples, (name,), first_sample=args.ranking_samples)]
         names, prompts = [n for n, _ in named], [p for _, p in named]
         encoded = [answer_ids(tok, p.text, p.answer) for p in prompts]
         rows = []

@@ -36,10 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
-    from eval.kv_plan import (PLAN_SINKS, RETRIEVAL_CALIB, RETRIEVAL_DEPTHS, head_candidates, original_bytes,
-                              plan_texts, ranking_prompts)
+    from eval.kv_plan import (PLAN_SINKS, RETRIEVAL_CALIB, head_candidates, original_bytes, plan_texts,
+                              ranking_prompts, retrieval_prompts)
     from eval.kv_plan_measurements import gate_rank, rank, retrieval_rank, served_perplexity, served_retrieval
-    from eval.retrieval_task import RetrievalTask
     from foundation.calibration import load_tokenizer
     from foundation.checkpoint import Checkpoint
     from foundation.errors import KvslimError
@@ -52,10 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     config, ctx, w = ckpt.config, args.ctx, args.window
     tokenizer = load_tokenizer(ckpt.path)
-    first, n = args.ranking_sample + 1, args.ranking_sample + 1 + args.samples
-    measured = [p for name in RETRIEVAL_CALIB
-                for j, p in enumerate(RetrievalTask(name, contexts=(ctx,), depths=RETRIEVAL_DEPTHS,
-                                                    samples=n).prompts(tokenizer)) if j % n >= first]
+    first = args.ranking_sample + 1
+    measured = retrieval_prompts(tokenizer, ctx, args.samples, first_sample=first)
     ranked_on = ranking_prompts(tokenizer, ctx, args.ranking_sample)
     calib_ids, dev, _, dev_text = plan_texts(tokenizer, ctx)
 
@@ -107,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({"checkpoint": args.checkpoint, "ctx": ctx, "budget": args.budget,
                                          "window": w, "kv_dtype": args.kv_dtype, "sinks": PLAN_SINKS,
                                          "ranked_on": f"sample {args.ranking_sample} of {', '.join(RETRIEVAL_CALIB)}",
-                                         "measured_on": f"samples {first}..{n - 1}", "dev_text": dev_text,
+                                         "measured_on": f"samples {first}..{first + args.samples - 1}",
+                                         "dev_text": dev_text,
                                          "rows": rows}, indent=1) + "\n")
     return 0
 

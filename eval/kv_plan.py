@@ -375,25 +375,21 @@ def plan_texts(tokenizer, ctx: int, source: str = DEFAULT_CALIB) -> tuple[Tensor
 
 
 def retrieval_prompts(tokenizer, ctx: int, samples: int = RETRIEVAL_SAMPLES,
-                      tasks: tuple[str, ...] = RETRIEVAL_CALIB) -> list:
+                      tasks: tuple[str, ...] = RETRIEVAL_CALIB, depths: tuple[int, ...] = RETRIEVAL_DEPTHS,
+                      first_sample: int = 0) -> list:
     """The calibration retrieval prompts at ``ctx`` (``eval.retrieval_task``, calibration wording),
-    ``samples`` per task and depth."""
+    ``samples`` per task and depth from seeded index ``first_sample``."""
     from eval.retrieval_task import RetrievalTask
 
     return [p for name in tasks
-            for p in RetrievalTask(name, contexts=(ctx,), depths=RETRIEVAL_DEPTHS, samples=samples).prompts(tokenizer)]
+            for p in RetrievalTask(name, (ctx,), depths, samples, first_sample).prompts(tokenizer)]
 
 
-def ranking_prompts(tokenizer, ctx: int, sample: int, tasks: tuple[str, ...] = RETRIEVAL_CALIB) -> list:
+def ranking_prompts(tokenizer, ctx: int, sample: int) -> list:
     """The calibration retrieval prompts the KV heads are ranked on: one per task and depth below
     100% (a fact at the end lies in every window), the ``sample``-th of each, so that a bound
     checking ``sample`` prompts a task and depth never sees them."""
-    from eval.retrieval_task import RetrievalTask
-
-    n = sample + 1
-    return [p for name in tasks
-            for j, p in enumerate(RetrievalTask(name, contexts=(ctx,), depths=RANKING_DEPTHS, samples=n).prompts(tokenizer))
-            if j % n == sample]
+    return retrieval_prompts(tokenizer, ctx, 1, depths=RANKING_DEPTHS, first_sample=sample)
 
 
 def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase: float | None = None,

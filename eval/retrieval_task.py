@@ -10,7 +10,9 @@ when the question is about it. Three kinds, each offline and seeded (the same pr
 - ``multikey``: three keys with different labels in the filler, one of them asked.
 
 Each is laid out at every context length (prompt tokens) and depth (where the fact sits, 0% = the
-start of the text, 100% = just before the question), ``samples`` prompts each. A prompt is
+start of the text, 100% = just before the question), ``samples`` prompts each (seeded by their
+index from ``first_sample``, so later indices are new prompts: a planner ranks on some and checks
+on others). A prompt is
 answered by greedy generation through the backend (the kvslim engine serves it with its KV cache
 really compressed); it is right when the first number in the answer is the key. Accuracy is
 reported overall and per context and depth.
@@ -115,6 +117,7 @@ class RetrievalTask:
     contexts: tuple[int, ...] = DEFAULT_CONTEXTS
     depths: tuple[int, ...] = DEFAULT_DEPTHS
     samples: int = DEFAULT_SAMPLES
+    first_sample: int = 0  # the seeded index of the first prompt at each context and depth
 
     @property
     def wording(self) -> Wording:
@@ -132,7 +135,8 @@ class RetrievalTask:
             raise KvslimError(f"{self.name} at {max(self.contexts)} tokens needs that much text of "
                               f"{self.wording.prose}, which has {len(prose)} tokens")
         return [self._prompt(tokenizer, ctx, depth, i, prose)
-                for ctx in self.contexts for depth in self.depths for i in range(self.samples)]
+                for ctx in self.contexts for depth in self.depths
+                for i in range(self.first_sample, self.first_sample + self.samples)]
 
     def _prompt(self, tokenizer, ctx: int, depth: int, i: int, prose: list[int] | None) -> RetrievalPrompt:
         w = self.wording

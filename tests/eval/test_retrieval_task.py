@@ -32,6 +32,14 @@ def test_prompts_are_seeded_and_as_long_as_asked(tokenizer, name):
         assert len(p.answer) == 5 and p.text.endswith(" is")  # the answer is the continuation
 
 
+@pytest.mark.parametrize("name", ["passkey_calib", "needle_calib"])
+def test_a_later_first_sample_continues_the_seeded_sequence(tokenizer, name):
+    """Samples from index 2 are the 3rd and 4th of a 4-sample task at each depth: new prompts."""
+    all4 = RetrievalTask(name, contexts=(256,), depths=(0, 50), samples=4).prompts(tokenizer)
+    later = RetrievalTask(name, contexts=(256,), depths=(0, 50), samples=2, first_sample=2).prompts(tokenizer)
+    assert later == all4[2:4] + all4[6:8]
+
+
 def test_a_context_longer_than_the_text_is_refused(tokenizer, monkeypatch):
     from eval import retrieval_task
     from foundation.errors import KvslimError
