@@ -24,6 +24,23 @@ def keys_normed_per_head(config: dict) -> bool:
     return config.get("model_type") == "qwen3"
 
 
+def rotated_qkv(attn, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A transformers Llama-family attention's ``q [B, H, T, D]``, ``k`` and ``v [B, KVH, T, D]`` for
+    input ``x [B, T, hidden]``, q and k rotated as the layer rotates them (Qwen3's per-head norms first)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    b, t, _ = x.shape
+    d = attn.head_dim
+    q = attn.q_proj(x).view(b, t, -1, d)
+    k = attn.k_proj(x).view(b, t, -1, d)
+    v = attn.v_proj(x).view(b, t, -1, d).transpose(1, 2)
+    if getattr(attn, "q_norm", None) is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    return q, k, v
+
+
 def proj_key(layer: int, proj: str, param: str = "weight") -> str:
     return f"model.layers.{layer}.self_attn.{proj}.{param}"
 

@@ -15,6 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from attention_variants.projections import rotated_qkv
+from foundation.perplexity import target_logprobs
+
 ROW_CHUNK = 1024  # query rows per streaming attention: [heads, 1,024, T] scores at a time
 
 
@@ -23,9 +26,6 @@ class GatedAttention:
     gated term ``(g_w - 1) * (full - streaming_w)`` per KV head, ``g_w`` = 1 with gradient."""
 
     def __init__(self, model, windows: tuple[int, ...], sinks: int):
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-        self._rotate = apply_rotary_pos_emb
         cfg = model.config
         n, kvh = cfg.num_hidden_layers, cfg.num_key_value_heads
         self.windows, self.sinks = windows, sinks
@@ -39,14 +39,7 @@ class GatedAttention:
     def _forward(self, attn, i: int):
         def forward(hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
             b, t, _ = hidden_states.shape
-            d = attn.head_dim
-            q = attn.q_proj(hidden_states).view(b, t, -1, d)
-            k = attn.k_proj(hidden_states).view(b, t, -1, d)
-            v = attn.v_proj(hidden_states).view(b, t, -1, d).transpose(1, 2)
-            if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head norms before rotary
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            cos, sin = position_embeddings
-            q, k = self._rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            q, k, v = rotated_qkv(attn, hidden_states, *position_embeddings)
             h, kvh = q.shape[1], k.shape[1]
             rep = h // kvh
             k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
@@ -85,8 +78,8 @@ class GatedAttention:
 def answer_logprob(model, prompt: list[int], answer: list[int]) -> torch.Tensor:
     """The mean log-probability of ``answer``'s tokens after ``prompt``, teacher-forced (differentiable)."""
     ids = torch.tensor([prompt + answer[:-1]])
-    logits = model(input_ids=ids, use_cache=False, logits_to_keep=len(answer)).logits[0].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(answer)[:, None]).mean()
+    logits = model(input_ids=ids, use_cache=False, logits_to_keep=len(answer)).logits[0]
+    return target_logprobs(logits, torch.tensor(answer)).mean()
 
 
 def retrieval_gate_scores(model, encoded: list[tuple[list[int], list[int]]], windows: tuple[int, ...],

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from attention_variants.projections import rotated_qkv
+
 QUERY_ROWS = 8  # the prompt's last tokens: where the question ends and the answer starts
 
 
@@ -20,9 +22,6 @@ class RetrievalHeadProbe:
     last ``QUERY_ROWS`` queries put on ``fact`` token positions (set before each prompt runs)."""
 
     def __init__(self, model):
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-        self._rotate = apply_rotary_pos_emb
         cfg = model.config
         self.scores = torch.zeros(cfg.num_hidden_layers, cfg.num_key_value_heads)
         self.fact: torch.Tensor | None = None  # [T] bool: the asked fact's tokens
@@ -38,12 +37,8 @@ class RetrievalHeadProbe:
         return hook
 
     def _mass(self, attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        d, t = attn.head_dim, x.shape[1]
-        q = attn.q_proj(x).view(1, t, -1, d)
-        k = attn.k_proj(x).view(1, t, -1, d)
-        if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head norms before rotary
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = self._rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        t = x.shape[1]
+        q, k, _ = rotated_qkv(attn, x, cos, sin)
         h, kvh = q.shape[1], k.shape[1]
         rows = min(QUERY_ROWS, t)
         qq = q[0, :, t - rows:]  # [H, rows, D]

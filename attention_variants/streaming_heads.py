@@ -19,6 +19,7 @@ from typing import Literal
 
 import torch
 
+from attention_variants.projections import rotated_qkv
 from foundation.errors import KvslimError
 
 StreamingSelect = Literal["mass", "output"]
@@ -49,9 +50,6 @@ class HeadScoreProbe:
     the layer's own q/k/v (rotated as the layer rotates them) on each sequence the model runs."""
 
     def __init__(self, model, windows: tuple[int, ...], sinks: int, num_seqs: int):
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-        self._rotate = apply_rotary_pos_emb
         cfg = model.config
         n, kvh = cfg.num_hidden_layers, cfg.num_key_value_heads
         self.windows, self.sinks, self.num_seqs = windows, sinks, num_seqs
@@ -69,14 +67,9 @@ class HeadScoreProbe:
         return hook
 
     def _score(self, attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> dict:
-        d = attn.head_dim
-        t = x.shape[1]
-        q = attn.q_proj(x).view(1, t, -1, d)
-        k = attn.k_proj(x).view(1, t, -1, d)
-        v = attn.v_proj(x).view(1, t, -1, d).transpose(1, 2)[0]  # [KVH, T, D]
-        if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head norms before rotary
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = self._rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        d, t = attn.head_dim, x.shape[1]
+        q, k, v = rotated_qkv(attn, x, cos, sin)
+        v = v[0]  # [KVH, T, D]
         h, kvh = q.shape[1], k.shape[1]
         rep = h // kvh
         k, v = k[0].repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)  # [H, T, D]
