@@ -35,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=4, help="measured prompts per task and depth, after it")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    if not 0 < args.window < args.ctx or not 0 < args.budget <= 1 or args.samples < 1 or args.ranking_sample < 0:
+        print(f"error: need 0 < --window ({args.window}) < --ctx ({args.ctx}), --budget in (0, 1] ({args.budget:g}), "
+              f"--samples >= 1 ({args.samples}) and --ranking-sample >= 0 ({args.ranking_sample})", file=sys.stderr)
+        return 2
 
     from eval.kv_plan import (PLAN_SINKS, RETRIEVAL_CALIB, head_candidates, original_bytes, plan_texts,
                               ranking_prompts, retrieval_prompts)

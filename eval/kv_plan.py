@@ -134,7 +134,7 @@ class KvPlan:
     original_retrieval: ServedRetrieval | None = None
     bound: RetrievalBound | None = None  # None: not applied
     retrieval_prompts: str = ""
-    ranking_prompts: str = ""  # what the streaming KV heads were ranked on ("": by attention mass)
+    heads_ranked_on: str = ""  # the prompts streaming KV heads were ranked on ("": by attention mass)
 
     @property
     def retrieval_bound_met(self) -> bool | None:
@@ -185,7 +185,7 @@ class KvPlan:
             else self.bound.max_logprob_drop,  # null with a bound: hits alone
             "retrieval_bound_met": self.retrieval_bound_met,
             "retrieval_prompts": self.retrieval_prompts,
-            "heads_ranked_on": self.ranking_prompts or None,
+            "heads_ranked_on": self.heads_ranked_on or None,
             "retrieval_logprobs": logprobs(c.retrieval),
             "original_retrieval_logprobs": logprobs(orig),
             "candidates": [{**asdict(x.choice), "kv_bytes_per_token": round(x.kv_bytes_per_token, 1),

@@ -92,3 +92,13 @@ def test_the_ranking_benchmark_compares_three_rankings_at_the_same_bytes(tiny_wi
     rows = json.loads(out.read_text())["rows"]
     assert [r["ranking"] for r in rows] == ["bf16, full attention", "mass", "retrieval", "gate"]
     assert len({r["kv_bytes_per_token"] for r in rows[1:]}) == 1 and "| gate |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags", [["--window", "64"], ["--budget", "1.5"], ["--samples", "0"]])
+def test_the_ranking_benchmark_refuses_bad_settings_in_one_line(tiny_with_tokenizer, capsys, flags):
+    from tests.benchmark_scripts import load_benchmark
+
+    bench = load_benchmark("streaming_heads_ranking")
+    assert bench.main([str(tiny_with_tokenizer), "--ctx", "64", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: need 0 < --window") and err.count("\n") == 1
