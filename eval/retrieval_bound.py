@@ -58,11 +58,6 @@ class RetrievalBound:
         return (self.hit_margin(served, original) >= -self.min_retrieval - 1e-9
                 and served.logprob_drop(original) <= self.max_logprob_drop + 1e-9)
 
-    def keeps_more(self, served: ServedRetrieval, original: ServedRetrieval) -> tuple[float, int, float]:
-        """A sort key, larger keeping more: the hit margin, then the prompts answered, then the
-        log-probability lost (which separates candidates whose hits tie)."""
-        return (self.hit_margin(served, original), sum(served.hits), -served.logprob_drop(original))
-
     def kept(self, served: ServedRetrieval, original: ServedRetrieval) -> str:
         """"0%:50 25%:100 ..., found answers at most 0.55 nats/token less likely": what ``served`` kept."""
         from eval.retrieval_task import by_depth_line

@@ -51,7 +51,10 @@ def test_streaming_head_candidates_fit_and_keep_the_most_ranked_heads_full(tiny_
     heads = [(3, 1), (1, 0), (0, 0), (2, 1), (3, 0), (1, 1), (0, 1), (2, 0)]
     cands = candidates(config, CTX, budget * original, {}, original, ("bf16",), {w: heads for w in WINDOWS})
     by_head = [c for c in cands if c.choice.streaming is not None]
-    assert by_head, budget
+    assert by_head or budget == 0.55
+    every_head_streaming = [c for c in cands if c.choice.window and not c.choice.global_layers and not c.choice.streaming]
+    assert by_head or every_head_streaming
+    assert len(every_head_streaming) == len({c.choice.window for c in every_head_streaming})  # one each, as layers
     for c in by_head:
         assert c.kv_bytes_per_token <= budget * original
         full = {(layer, h) for layer in range(4) for h in range(2) if h not in c.choice.streaming[layer]}
@@ -283,6 +286,28 @@ def test_a_budget_plan_missing_the_bound_keeps_the_most_retrieval_and_says_so(ti
     _fake_retrieval(monkeypatch, _is_original)
     plan = plan_kv(tiny_with_tokenizer, budget=0.3, ctx=CTX, windows=(16,), dtypes=("int8", "int4"))
     assert plan.retrieval_bound_met is False and json.loads(plan.to_json())["retrieval_bound_met"] is False
+
+
+def test_missing_the_bound_the_best_worst_depth_wins_then_dev_perplexity(tiny_with_tokenizer, monkeypatch):
+    """Where every candidate misses the bound, more hits at other depths do not outweigh dev
+    perplexity: among those whose worst depth keeps the most, the lowest dev perplexity wins."""
+    import eval.kv_plan as kv_plan
+
+    calls = []
+
+    def served(model_dir, config, kv_dtype, prompts, tokenizer, ctx):
+        calls.append(kv_dtype)  # the original first, then candidates by dev perplexity, best first
+        lost = set() if len(calls) == 1 else {0, 25} if len(calls) == 2 else {0}
+        return ServedRetrieval(tuple(p.depth for p in prompts), tuple(-0.1 for _ in prompts),
+                               tuple(p.depth not in lost for p in prompts))
+
+    _fake_retrieval(monkeypatch, _is_original)
+    monkeypatch.setattr(kv_plan, "served_retrieval", served)
+    plan = plan_kv(tiny_with_tokenizer, budget=0.3, ctx=CTX, windows=(16,), dtypes=("int8", "int4"))
+    checked = [c for c in plan.candidates if c.retrieval is not None]
+    assert len(checked) >= 2 and plan.retrieval_bound_met is False
+    assert plan.chosen.dev_ppl == min(c.dev_ppl for c in checked)  # though another answered more
+    assert sum(plan.chosen.retrieval.hits) < max(sum(c.retrieval.hits) for c in checked)
 
 
 def test_a_quality_plan_that_no_candidate_keeps_retrieval_for_is_one_line(tiny_with_tokenizer, monkeypatch):

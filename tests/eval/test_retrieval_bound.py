@@ -36,17 +36,6 @@ def test_the_bound_needs_both_the_hits_and_the_likelihood():
     assert RetrievalBound(min_retrieval=0.5).met(a_miss, ORIGINAL)
 
 
-def test_keeping_more_orders_the_worst_depth_then_hits_then_likelihood():
-    bound = RetrievalBound()
-    a_miss = ServedRetrieval(DEPTHS, ORIGINAL.logprobs, (False, True, False, True))
-    two_misses = ServedRetrieval(DEPTHS, ORIGINAL.logprobs, (False, False, False, True))
-    unlikely = ServedRetrieval(DEPTHS, (-2.0, -3.0, -3.0, -3.0), ORIGINAL.hits)
-    less_unlikely = ServedRetrieval(DEPTHS, (-2.0, -1.0, -1.0, -1.0), ORIGINAL.hits)
-    ranked = sorted([two_misses, a_miss, unlikely, less_unlikely], key=lambda r: bound.keeps_more(r, ORIGINAL),
-                    reverse=True)
-    assert ranked == [less_unlikely, unlikely, a_miss, two_misses]
-
-
 def test_served_retrieval_gives_each_prompts_answer_likelihood_and_hit(tiny_with_tokenizer):
     """On the runtime's cache as a candidate holds it: one mean log-probability and one greedy hit per
     prompt, the hit being what 10 greedy tokens start with."""
