@@ -43,8 +43,9 @@ class RetrievalHeadProbe:
         rows = min(QUERY_ROWS, t)
         qq = q[0, :, t - rows:]  # [H, rows, D]
         kk = k[0].repeat_interleave(h // kvh, 0)  # [H, T, D]
-        scores = (qq @ kk.transpose(1, 2)) * attn.scaling  # [H, rows, T]; the last rows see every key
-        probs = torch.softmax(scores, -1)
+        scores = (qq @ kk.transpose(1, 2)) * attn.scaling  # [H, rows, T]
+        future = torch.arange(t) > torch.arange(t - rows, t)[:, None]  # [rows, T]: causal, as the model reads
+        probs = torch.softmax(scores.masked_fill(future, float("-inf")), -1)
         mass = probs[:, :, self.fact].sum(-1).mean(-1)  # [H]
         return mass.view(kvh, h // kvh).mean(-1)
 

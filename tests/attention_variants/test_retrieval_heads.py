@@ -8,12 +8,12 @@ import attention_variants.retrieval_heads as retrieval_heads
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @torch.no_grad()
-def test_fact_mass_is_the_models_last_row_attention(tiny_checkpoints, monkeypatch, arch):
+def test_fact_mass_is_the_models_last_rows_attention(tiny_checkpoints, arch):
+    """Each of the last QUERY_ROWS rows sees only the keys before it, as the model does."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[arch], dtype=torch.float32,
                                                  attn_implementation="eager").eval()
-    monkeypatch.setattr(retrieval_heads, "QUERY_ROWS", 1)  # the last row sees every key: no mask to mind
     ids = torch.randint(3, 200, (1, 24), generator=torch.Generator().manual_seed(0))
     fact = torch.zeros(24, dtype=torch.bool)
     fact[5:9] = True
@@ -24,5 +24,6 @@ def test_fact_mass_is_the_models_last_row_attention(tiny_checkpoints, monkeypatc
     finally:
         scores = probe.remove()
     kvh = model.config.num_key_value_heads
-    expected = torch.stack([a[0, :, -1, fact].sum(-1).view(kvh, -1).mean(-1) for a in attentions])
+    rows = retrieval_heads.QUERY_ROWS
+    expected = torch.stack([a[0, :, -rows:, fact].sum(-1).mean(-1).view(kvh, -1).mean(-1) for a in attentions])
     torch.testing.assert_close(scores, expected, atol=1e-5, rtol=1e-4)
