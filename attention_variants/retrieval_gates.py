@@ -8,7 +8,9 @@ gate sits at 1 (the model as it is) and one backward pass per prompt gives the g
 answer's mean log-probability (teacher-forced) with respect to each gate: the first-order loss of
 streaming that head alone (attribution patching). Since the mixed output is linear in ``g``, the
 gradient is exact for the direction and one pass scores every window at once. A high score marks a
-head whose stream would cost the answer most: a head to keep full.
+head whose stream would cost the answer most: a head to keep full. ``pruned_gate_order`` moves the
+point the gradient is taken at: it streams the lowest-scored heads a share at a time and scores the
+rest again with them streaming, so the heads kept are judged beside the others that stream.
 """
 from __future__ import annotations
 
@@ -19,17 +21,20 @@ from attention_variants.projections import rotated_qkv
 from foundation.perplexity import target_logprobs
 
 ROW_CHUNK = 1024  # query rows per streaming attention: [heads, 1,024, T] scores at a time
+PRUNE_SHARE = 0.25  # of the heads still full, streamed per step of ``pruned_gate_order``
 
 
 class GatedAttention:
-    """Each layer's attention forward replaced by full attention plus, per window, a zero-valued
-    gated term ``(g_w - 1) * (full - streaming_w)`` per KV head, ``g_w`` = 1 with gradient."""
+    """Each layer's attention forward replaced by full attention plus, per window, a gated term
+    ``(g_w - 1) * (full - streaming_w)`` per KV head, with gradient; ``g_w`` = 1 (zero: the model as
+    it is) unless ``at[w]`` sets it (0: that head streams)."""
 
-    def __init__(self, model, windows: tuple[int, ...], sinks: int):
+    def __init__(self, model, windows: tuple[int, ...], sinks: int, at: dict[int, torch.Tensor] | None = None):
         cfg = model.config
         n, kvh = cfg.num_hidden_layers, cfg.num_key_value_heads
         self.windows, self.sinks = windows, sinks
-        self.gates = {w: torch.ones(n, kvh, requires_grad=True) for w in windows}
+        self.gates = {w: (torch.ones(n, kvh) if at is None else at[w].detach().clone().float()).requires_grad_(True)
+                      for w in windows}
         self._patched = []
         for i, layer in enumerate(model.model.layers):
             attn = layer.self_attn
@@ -83,14 +88,14 @@ def answer_logprob(model, prompt: list[int], answer: list[int]) -> torch.Tensor:
 
 
 def retrieval_gate_scores(model, encoded: list[tuple[list[int], list[int]]], windows: tuple[int, ...],
-                          sinks: int) -> dict[int, torch.Tensor]:
+                          sinks: int, at: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
     """Per window, ``[layers, kv_heads]``: the gradient of the answers' summed mean log-probability
-    with respect to each head's gate at 1, over ``encoded`` (``(prompt ids, answer ids)``); a
-    transformers Llama-family model. Higher: streaming the head costs the answers more."""
+    with respect to each head's gate at 1 (or at ``at[w]``), over ``encoded`` (``(prompt ids, answer
+    ids)``); a transformers Llama-family model. Higher: streaming the head costs the answers more."""
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.requires_grad_(False)
-    probe = GatedAttention(model, windows, sinks)
+    probe = GatedAttention(model, windows, sinks, at)
     try:
         for prompt, answer in encoded:
             answer_logprob(model, prompt, answer).backward()
@@ -99,3 +104,27 @@ def retrieval_gate_scores(model, encoded: list[tuple[list[int], list[int]]], win
         for p in params:
             p.requires_grad_(True)
     return {w: g.grad.detach().clone() if g.grad is not None else torch.zeros_like(g) for w, g in probe.gates.items()}
+
+
+def pruned_gate_order(model, encoded: list[tuple[list[int], list[int]]], window: int, sinks: int,
+                      share: float = PRUNE_SHARE, down_to: int = 1) -> list[tuple[int, int]]:
+    """(layer, KV head), most worth keeping full first, the gates re-measured as heads stream: from
+    every head full, stream the ``share`` of those still full whose gates score lowest, score again
+    with them streaming, and so on until ``down_to`` are full (ranked by the last scores); the heads
+    streamed follow, the last streamed first. One gate pass per step (the first is
+    ``retrieval_gate_scores``'s), where a single pass scores each head against the model as it is."""
+    if not 0 < share < 1:
+        raise ValueError(f"share {share} must be in (0, 1)")
+    gates = None
+    streamed: list[tuple[int, int]] = []
+    while True:
+        at = None if gates is None else {window: gates}
+        scores = retrieval_gate_scores(model, encoded, (window,), sinks, at)[window]
+        if gates is None:
+            gates = torch.ones_like(scores)
+        full = sorted((tuple(lh) for lh in gates.nonzero().tolist()), key=lambda lh: scores[lh].item())
+        if len(full) <= down_to:
+            return full[::-1] + streamed[::-1]
+        for lh in full[:min(len(full) - down_to, max(1, round(share * len(full))))]:
+            gates[lh] = 0.0
+            streamed.append(lh)

@@ -1,4 +1,4 @@
-"""Which KV heads to keep full when the rest stream: three rankings at the same bytes, on calibration
+"""Which KV heads to keep full when the rest stream: rankings at the same bytes, on calibration
 retrieval the heads were not ranked on.
 
 For a budget (a fraction of the bf16 original's KV bytes per token at ``--ctx``) and one window,
@@ -6,7 +6,8 @@ the planner's streaming-head candidate is built three ways: the heads with the m
 beyond the window on calibration text (``mass``), the heads the question's attention finds the fact
 through (``retrieval``, ``attention_variants.retrieval_heads``), and the heads whose streaming alone
 would cost the answers most (``gate``, the gradient at DuoAttention's gate,
-``attention_variants.retrieval_gates``). The two retrieval rankings use the planner's ranking prompts
+``attention_variants.retrieval_gates``), and with ``--pruned-gate`` the gates re-measured step by
+step as the lowest-scored heads stream (``pruned gate``). The retrieval rankings use the planner's ranking prompts
 (``eval.kv_plan.ranking_prompts``: sample ``--ranking-sample`` of ``passkey_calib`` and
 ``needle_calib`` at depths 0-75%). Each candidate is served (its cache really quantized) on
 ``--samples`` other calibration prompts a task and depth (depths 0-100%, the samples after those)
@@ -33,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--ranking-sample", type=int, default=1, help="the sample index the heads are ranked on")
     ap.add_argument("--samples", type=int, default=4, help="measured prompts per task and depth, after it")
+    ap.add_argument("--pruned-gate", action="store_true",
+                    help="a fourth ranking: the gates re-measured as the lowest heads stream, down to the "
+                         "heads the budget keeps full (pruned_gate_order)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if not 0 < args.window < args.ctx or not 0 < args.budget <= 1 or args.samples < 1 or args.ranking_sample < 0:
@@ -70,8 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     t = time.perf_counter()
     rankings["gate"] = gate_rank(ckpt.path, tokenizer, ranked_on, (w,), PLAN_SINKS)[w]
     timings["gate"] = time.perf_counter() - t
-
     original = original_bytes(config, ctx)
+    if args.pruned_gate:  # down to the heads the budget keeps full
+        gate_cands = head_candidates(config, ctx, args.budget * original, {w: rankings["gate"]}, original,
+                                     args.kv_dtype, {w: []})
+        streaming = gate_cands[0].choice.streaming if gate_cands else None
+        full = sum(config["num_key_value_heads"] - len(s) for s in streaming) if streaming else 1
+        t = time.perf_counter()
+        rankings["pruned gate"] = gate_rank(ckpt.path, tokenizer, ranked_on, (w,), PLAN_SINKS, {w: full})[w]
+        timings["pruned gate"] = time.perf_counter() - t
     orig = served_retrieval(ckpt.path, config, "bf16", measured, tokenizer, ctx)
     orig_ppl = served_perplexity(ckpt.path, config, "bf16", dev, dev_text, ctx)
     rows = [{"ranking": "bf16, full attention", "kv_bytes_per_token": original, "dev_ppl": orig_ppl,

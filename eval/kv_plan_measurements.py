@@ -75,17 +75,20 @@ def served_retrieval(model_dir: Path, config: dict, kv_dtype: str, prompts: list
 
 
 def gate_rank(model_dir: Path, tokenizer, prompts: list, windows: tuple[int, ...],
-              sinks: int) -> dict[int, list[tuple[int, int]]]:
+              sinks: int, pruned_down_to: dict[int, int] | None = None) -> dict[int, list[tuple[int, int]]]:
     """Per window, (layer, KV head) by how much streaming the head alone would cost the prompts'
     answers (the gradient of their log-probability at DuoAttention's gate,
-    ``attention_variants.retrieval_gates``), most first."""
+    ``attention_variants.retrieval_gates``), most first; ``pruned_down_to[W]``: the gates re-measured
+    as the lowest stream until that many heads are full (``pruned_gate_order``, a pass per step)."""
     from transformers import AutoModelForCausalLM
 
-    from attention_variants.retrieval_gates import retrieval_gate_scores
+    from attention_variants.retrieval_gates import pruned_gate_order, retrieval_gate_scores
     from eval.retrieval_logprob import answer_ids
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     encoded = [answer_ids(tokenizer, p.text, p.answer) for p in prompts]
+    if pruned_down_to is not None:
+        return {w: pruned_gate_order(model, encoded, w, sinks, down_to=pruned_down_to[w]) for w in windows}
     scores = retrieval_gate_scores(model, encoded, windows, sinks)
     return {w: [divmod(int(i), s.shape[1]) for i in s.flatten().argsort(descending=True, stable=True)]
             for w, s in scores.items()}

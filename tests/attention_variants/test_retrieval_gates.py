@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from attention_variants.retrieval_gates import GatedAttention, answer_logprob, retrieval_gate_scores
+from attention_variants.retrieval_gates import GatedAttention, answer_logprob, pruned_gate_order, retrieval_gate_scores
 
 WINDOW, SINKS = 8, 2
 
@@ -82,15 +82,63 @@ def test_the_score_is_the_answers_log_probability_gradient(model):
     assert all(p.requires_grad for p in model.parameters())  # the model is left trainable as it was
 
 
-def test_the_ranking_benchmark_compares_three_rankings_at_the_same_bytes(tiny_with_tokenizer, tmp_path, capsys):
+def test_scores_at_given_gates_are_the_gradient_there(model):
+    """With some heads already streaming (``at``), the scores are the gradient at that point."""
+    prompt, answer = ids(30), ids(3)
+    at = torch.ones(model.config.num_hidden_layers, model.config.num_key_value_heads)
+    at[0, :] = 0.0
+    scores = retrieval_gate_scores(model, [(prompt, answer)], (WINDOW,), SINKS, {WINDOW: at})[WINDOW]
+    top = divmod(int(scores[1:].abs().flatten().argmax()) + at.shape[1], at.shape[1])
+    eps = 1e-3
+    gated = GatedAttention(model, (WINDOW,), SINKS, {WINDOW: at})
+    try:
+        with torch.no_grad():
+            base = answer_logprob(model, prompt, answer)
+            gated.gates[WINDOW][top] = 1 - eps
+            nudged = answer_logprob(model, prompt, answer)
+    finally:
+        gated.remove()
+    assert (base - nudged) / eps == pytest.approx(float(scores[top]), rel=0.05, abs=1e-4)
+    assert torch.equal(at[0], torch.zeros(at.shape[1]))  # the caller's gates are not touched
+
+
+def test_the_pruned_order_streams_the_lowest_scores_and_re_scores(model, monkeypatch):
+    """Each step streams the lowest-scored share of the heads still full and scores again with them
+    streaming; the order is every head once: the last full first, then the streamed, last first."""
+    import attention_variants.retrieval_gates as retrieval_gates
+
+    n, kvh = model.config.num_hidden_layers, model.config.num_key_value_heads
+    seen = []
+    real = retrieval_gates.retrieval_gate_scores
+
+    def spy(model, encoded, windows, sinks, at=None):
+        seen.append(None if at is None else at[windows[0]].clone())
+        return real(model, encoded, windows, sinks, at)
+
+    monkeypatch.setattr(retrieval_gates, "retrieval_gate_scores", spy)
+    order = pruned_gate_order(model, [(ids(30), ids(3))], WINDOW, SINKS, share=0.5)
+    assert sorted(order) == [(layer, h) for layer in range(n) for h in range(kvh)]
+    assert seen[0] is None and all(int(a.sum()) < n * kvh for a in seen[1:])
+    fulls = [n * kvh] + [int(a.sum()) for a in seen[1:]]
+    assert fulls == sorted(fulls, reverse=True) and fulls[-1] == 1 and len(set(fulls)) == len(fulls)
+    last = seen[-1]
+    assert order[0] == tuple(last.nonzero()[0].tolist())  # the one left full ranks first
+    first_step = real(model, [(ids(30), ids(3))], (WINDOW,), SINKS)[WINDOW]
+    lowest = min(((layer, h) for layer in range(n) for h in range(kvh)), key=lambda lh: first_step[lh].item())
+    assert order[-1] == lowest  # streamed first, ranked last
+    with pytest.raises(ValueError, match="share"):
+        pruned_gate_order(model, [(ids(30), ids(3))], WINDOW, SINKS, share=1.0)
+
+
+def test_the_ranking_benchmark_compares_the_rankings_at_the_same_bytes(tiny_with_tokenizer, tmp_path, capsys):
     from tests.benchmark_scripts import load_benchmark
 
     out = tmp_path / "ranking.json"
     bench = load_benchmark("streaming_heads_ranking")
     assert bench.main([str(tiny_with_tokenizer), "--ctx", "64", "--window", "16", "--budget", "0.7",
-                       "--kv-dtype", "bf16", "--samples", "1", "--json", str(out)]) == 0
+                       "--kv-dtype", "bf16", "--samples", "1", "--pruned-gate", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["ranking"] for r in rows] == ["bf16, full attention", "mass", "retrieval", "gate"]
+    assert [r["ranking"] for r in rows] == ["bf16, full attention", "mass", "retrieval", "gate", "pruned gate"]
     assert len({r["kv_bytes_per_token"] for r in rows[1:]}) == 1 and "| gate |" in capsys.readouterr().out
 
 
