@@ -30,8 +30,11 @@ every plan measured) or by the attention the question puts on the fact (which lo
 also keep ``HIGH`` while the others store ``LOW`` over the whole context (KV bits per head,
 ``eval.kv_precision_heads``).
 The candidates best by dev perplexity are checked in that
-order (at most ``RETRIEVAL_CHECKS``) and the first within the bound is chosen; where none is, the
-best dev perplexity among those whose worst depth keeps the most, and ``plan.json`` says the bound
+order (at most ``RETRIEVAL_CHECKS``) and the first within the bound is chosen. Where none is (with a
+budget), the heads are ranked again with the gates re-measured as the lowest-scored stream, down to
+as many full heads (``attention_variants.retrieval_gates.pruned_gate_order``: one gate pass per
+step, so only when needed), and those candidates are served and checked too; where none is still,
+the best dev perplexity among those whose worst depth keeps the most, and ``plan.json`` says the bound
 was missed. (Hits at the other depths, one prompt moving a depth 50 points, do not outweigh dev
 perplexity measured on thousands of tokens: the plan forgets at its worst depth either way.)
 """
@@ -70,6 +73,7 @@ RETRIEVAL_DEPTHS = (0, 25, 50, 75, 100)
 RETRIEVAL_SAMPLES = 1  # default prompts per task and depth: 2 per depth over both tasks (the demo's budget)
 RANKING_DEPTHS = (0, 25, 50, 75)  # the KV heads' ranking prompts: 8 over both tasks, none the bound checks
 GATE_RANKED = "retrieval gate"
+PRUNED_GATE_RANKED = "retrieval gate, re-measured as heads stream"
 RETRIEVAL_CHECKS = 6  # candidates whose retrieval is served, best dev perplexity first
 
 
@@ -269,7 +273,8 @@ def split_by_rank(ranked: list[tuple[int, int]], k: int, layers: int,
 
 def head_candidates(config: dict, ctx: int, budget_bytes: float | None, head_ranking: dict[int, list[tuple[int, int]]],
                     original: float, dtype: str, layer_counts: dict[int, list[int]],
-                    gate_ranking: dict[int, list[tuple[int, int]]] | None = None) -> list[Candidate]:
+                    gate_ranking: dict[int, list[tuple[int, int]]] | None = None,
+                    gate_label: str = GATE_RANKED) -> list[Candidate]:
     """Streaming-head choices for one dtype: per window, the most full KV heads the budget allows
     (without a budget: the full-layer ladder's counts in heads), the others streaming;
     ``head_ranking[W]``: (layer, head) by attention mass beyond W, most first; ``gate_ranking[W]``,
@@ -278,7 +283,7 @@ def head_candidates(config: dict, ctx: int, budget_bytes: float | None, head_ran
     n, kvh = int(config["num_hidden_layers"]), int(config.get("num_key_value_heads") or config["num_attention_heads"])
     out = []
     if gate_ranking:
-        rankings = [(w, gate_ranking[w], GATE_RANKED) for w in head_ranking]
+        rankings = [(w, gate_ranking[w], gate_label) for w in head_ranking]
     else:
         rankings = [(w, ranked, "mass") for w, ranked in head_ranking.items()]
     for w, ranked, by in rankings:
@@ -297,6 +302,28 @@ def head_candidates(config: dict, ctx: int, budget_bytes: float | None, head_ran
                     out.append(Candidate(choice, nbytes, original / nbytes))
                     break
                 k -= 1  # block rounding: one head fewer
+    return out
+
+
+def full_heads(choice: KvChoice, kv_heads: int) -> int:
+    return sum(kv_heads - len(s) for s in choice.streaming)
+
+
+def pruned_gate_candidates(model_dir: Path, tokenizer, prompts: list, config: dict, ctx: int, budget_bytes: float,
+                           original: float, gated: list[Candidate]) -> list[Candidate]:
+    """For each gate-ranked streaming-head candidate, the one as many heads buy when the gates are
+    re-measured as the lowest stream (``eval.kv_plan_measurements.gate_rank(pruned_down_to=...)``),
+    where its full heads differ."""
+    kvh = int(config.get("num_key_value_heads") or config["num_attention_heads"])
+    down_to = {c.choice.window: full_heads(c.choice, kvh) for c in gated}
+    pruned = gate_rank(model_dir, tokenizer, prompts, tuple(down_to), PLAN_SINKS, down_to)
+    out = []
+    for c in gated:
+        w = c.choice.window
+        for cand in head_candidates(config, ctx, budget_bytes, {w: pruned[w]}, original, c.choice.kv_dtype, {w: []},
+                                    {w: pruned[w]}, PRUNED_GATE_RANKED):
+            if cand.choice.streaming != c.choice.streaming:
+                out.append(cand)
     return out
 
 
@@ -460,12 +487,16 @@ def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase
                  f"({'within' if ok else 'NOT within'} the bound: {bound.describe()})")
         return cand, ok
 
+    def dev_served(cand: Candidate) -> Candidate:
+        ppl = served_perplexity(ckpt.path, cand.choice.config(config), cand.choice.kv_dtype, dev, dev_text, ctx)
+        progress(f"{cand.choice.describe(n)}: {cand.kv_bytes_per_token:,.0f} B/token "
+                 f"({cand.times_smaller:.2f}x smaller), dev ppl {ppl:.3f} ({100 * (ppl / original_ppl - 1):+.2f}%)")
+        return replace(cand, dev_ppl=ppl)
+
     served, chosen = [], None
     for cand in todo:
-        ppl = served_perplexity(ckpt.path, cand.choice.config(config), cand.choice.kv_dtype, dev, dev_text, ctx)
-        cand = replace(cand, dev_ppl=ppl)
-        progress(f"{cand.choice.describe(n)}: {cand.kv_bytes_per_token:,.0f} B/token ({cand.times_smaller:.2f}x smaller), "
-                 f"dev ppl {ppl:.3f} ({100 * (ppl / original_ppl - 1):+.2f}%)")
+        cand = dev_served(cand)
+        ppl = cand.dev_ppl
         if max_ppl_increase is not None and ppl <= original_ppl * (1 + max_ppl_increase):
             if checks >= RETRIEVAL_CHECKS:
                 served.append(cand)
@@ -486,6 +517,17 @@ def plan_kv(model_dir: str | Path, budget: float | None = None, max_ppl_increase
             if ok:
                 chosen = cand
                 break
+        gated = [c for c in todo if c.choice.heads_by == GATE_RANKED]
+        if chosen is None and gated:  # the heads ranked again where the plan operates, before settling
+            progress(f"no candidate checked keeps retrieval within the bound: ranking KV heads again on "
+                     f"{ranking_text}, the gates re-measured as the lowest-scored heads stream")
+            for cand in pruned_gate_candidates(ckpt.path, tokenizer, ranked_on, config, ctx, budget * original,
+                                               original, gated):
+                cand, ok = retrieval_ok(dev_served(cand))
+                served.append(cand)
+                checked.append(cand)
+                if ok and (chosen is None or cand.dev_ppl < chosen.dev_ppl):
+                    chosen = cand
         if chosen is None:  # the bound missed by all checked: the best worst depth, then dev perplexity
             chosen = max(checked, key=lambda c: (bound.hit_margin(c.retrieval, original_ret), -c.dev_ppl))
             progress(f"no candidate checked keeps retrieval within the bound ({bound.describe()}): chose the best "

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from eval.kv_plan import KvChoice, candidates, layer_bytes, original_bytes, plan_kv, write_planned_checkpoint
+from eval.kv_plan import (KvChoice, candidates, full_heads, layer_bytes, original_bytes, plan_kv,
+                          write_planned_checkpoint)
 from eval.retrieval_bound import ServedRetrieval
 from foundation.checkpoint import Checkpoint
 from foundation.errors import KvslimError
@@ -52,7 +53,8 @@ def test_streaming_head_candidates_fit_and_keep_the_most_ranked_heads_full(tiny_
     cands = candidates(config, CTX, budget * original, {}, original, ("bf16",), {w: heads for w in WINDOWS})
     by_head = [c for c in cands if c.choice.streaming is not None]
     assert by_head or budget == 0.55
-    every_head_streaming = [c for c in cands if c.choice.window and not c.choice.global_layers and not c.choice.streaming]
+    every_head_streaming = [c for c in cands
+                            if c.choice.window and not c.choice.global_layers and not c.choice.streaming]
     assert by_head or every_head_streaming
     assert len(every_head_streaming) == len({c.choice.window for c in every_head_streaming})  # one each, as layers
     for c in by_head:
@@ -226,7 +228,8 @@ def _fake_retrieval(monkeypatch, passes, logprob=lambda config, kv_dtype: -0.1):
     monkeypatch.setattr(kv_plan, "served_retrieval", served)
     ranked = [(layer, h) for layer in range(4) for h in range(2)]
     monkeypatch.setattr(kv_plan, "retrieval_rank", lambda *a: ranked)
-    monkeypatch.setattr(kv_plan, "gate_rank", lambda model_dir, tokenizer, prompts, windows, sinks: {w: ranked for w in windows})
+    monkeypatch.setattr(kv_plan, "gate_rank", lambda model_dir, tokenizer, prompts, windows, sinks, pruned_down_to=None:
+                        {w: ranked if pruned_down_to is None else ranked[::-1] for w in windows})  # pruned: 3 first
 
 
 def _is_original(config: dict, kv_dtype: str) -> bool:
@@ -286,6 +289,26 @@ def test_a_budget_plan_missing_the_bound_keeps_the_most_retrieval_and_says_so(ti
     _fake_retrieval(monkeypatch, _is_original)
     plan = plan_kv(tiny_with_tokenizer, budget=0.3, ctx=CTX, windows=(16,), dtypes=("int8", "int4"))
     assert plan.retrieval_bound_met is False and json.loads(plan.to_json())["retrieval_bound_met"] is False
+
+
+def test_when_every_candidate_misses_the_heads_are_ranked_again_with_the_gates_pruned(tiny_with_tokenizer, monkeypatch):
+    """Where no candidate keeps retrieval, the gates are re-measured as heads stream (down to the
+    full heads the budget buys) and those candidates are served and checked too; one within the
+    bound is chosen."""
+    from eval.kv_plan import PRUNED_GATE_RANKED
+    from foundation.attention_layout import STREAMING_KEY
+
+    def layer3_full(config: dict, kv_dtype: str) -> bool:
+        return _is_original(config, kv_dtype) or STREAMING_KEY in config and config[STREAMING_KEY]["kv_heads"][3] == []
+
+    _fake_retrieval(monkeypatch, layer3_full)
+    plan = plan_kv(tiny_with_tokenizer, budget=0.6, ctx=CTX, windows=(16,), dtypes=("int8",))
+    assert plan.retrieval_bound_met and plan.chosen.choice.heads_by == PRUNED_GATE_RANKED
+    assert f"full heads by {PRUNED_GATE_RANKED}" in json.loads(plan.to_json())["choice"]
+    gate = [c for c in plan.candidates if c.choice.heads_by == "retrieval gate"]
+    assert gate and all(c.retrieval is not None and not plan.bound.met(c.retrieval, plan.original_retrieval)
+                        for c in gate)
+    assert full_heads(plan.chosen.choice, 2) == full_heads(gate[0].choice, 2)  # as many heads, other ones
 
 
 def test_missing_the_bound_the_best_worst_depth_wins_then_dev_perplexity(tiny_with_tokenizer, monkeypatch):
