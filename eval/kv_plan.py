@@ -315,7 +315,10 @@ def pruned_gate_candidates(model_dir: Path, tokenizer, prompts: list, config: di
     re-measured as the lowest stream (``eval.kv_plan_measurements.gate_rank(pruned_down_to=...)``),
     where its full heads differ."""
     kvh = int(config.get("num_key_value_heads") or config["num_attention_heads"])
-    down_to = {c.choice.window: full_heads(c.choice, kvh) for c in gated}
+    down_to: dict[int, int] = {}
+    for c in gated:  # one order per window: pruned down to the fewest full heads any dtype buys there
+        down_to[c.choice.window] = min(down_to.get(c.choice.window, kvh * len(c.choice.streaming)),
+                                       full_heads(c.choice, kvh))
     pruned = gate_rank(model_dir, tokenizer, prompts, tuple(down_to), PLAN_SINKS, down_to)
     out = []
     for c in gated:
