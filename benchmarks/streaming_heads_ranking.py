@@ -6,8 +6,8 @@ the planner's streaming-head candidate is built three ways: the heads with the m
 beyond the window on calibration text (``mass``), the heads the question's attention finds the fact
 through (``retrieval``, ``attention_variants.retrieval_heads``), and the heads whose streaming alone
 would cost the answers most (``gate``, the gradient at DuoAttention's gate,
-``attention_variants.retrieval_gates``), and with ``--pruned-gate`` the gates re-measured step by
-step as the lowest-scored heads stream (``pruned gate``). The retrieval rankings use the planner's ranking prompts
+``attention_variants.retrieval_gates``); with ``--pruned-gate`` a fourth, the gates re-measured step
+by step as the lowest-scored heads stream (``pruned gate``). The retrieval rankings use the planner's ranking prompts
 (``eval.kv_plan.ranking_prompts``: sample ``--ranking-sample`` of ``passkey_calib`` and
 ``needle_calib`` at depths 0-75%). Each candidate is served (its cache really quantized) on
 ``--samples`` other calibration prompts a task and depth (depths 0-100%, the samples after those)
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
               f"--samples >= 1 ({args.samples}) and --ranking-sample >= 0 ({args.ranking_sample})", file=sys.stderr)
         return 2
 
-    from eval.kv_plan import (PLAN_SINKS, RETRIEVAL_CALIB, head_candidates, original_bytes, plan_texts,
+    from eval.kv_plan import (PLAN_SINKS, RETRIEVAL_CALIB, full_heads, head_candidates, original_bytes, plan_texts,
                               ranking_prompts, retrieval_prompts)
     from eval.kv_plan_measurements import gate_rank, rank, retrieval_rank, served_perplexity, served_retrieval
     from foundation.calibration import load_tokenizer
@@ -78,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.pruned_gate:  # down to the heads the budget keeps full
         gate_cands = head_candidates(config, ctx, args.budget * original, {w: rankings["gate"]}, original,
                                      args.kv_dtype, {w: []})
-        streaming = gate_cands[0].choice.streaming if gate_cands else None
-        full = sum(config["num_key_value_heads"] - len(s) for s in streaming) if streaming else 1
+        full = full_heads(gate_cands[0].choice, config["num_key_value_heads"]) if gate_cands else 1
         t = time.perf_counter()
         rankings["pruned gate"] = gate_rank(ckpt.path, tokenizer, ranked_on, (w,), PLAN_SINKS, {w: full})[w]
         timings["pruned gate"] = time.perf_counter() - t
