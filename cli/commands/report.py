@@ -33,6 +33,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-budget-gib", type=float, default=1.0, help="KV cache budget for the capacity column (default 1)")
     p.add_argument("--decode-batch", type=int, default=8, help="concurrent requests of the decode benchmark (default 8)")
     p.add_argument("--decode-tokens", type=int, default=32, help="new tokens per decode request (default 32)")
+    p.add_argument("--decode-prompt-tokens", type=int, default=64,
+                   help="prompt tokens per decode request: the context the decode steps run at (default 64)")
     p.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], type=kv_cache_dtype_arg, metavar="D",
                    help="measure each checkpoint with each of these KV cache dtypes, one row each (default: "
                         f"auto; {', '.join(KV_CACHE_DTYPES)}, or FULL/WINDOWED such as int8/int2)")
@@ -63,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         raise KvslimError(f"--ctx must be >= 2, got {args.ctx}")
     ppl_tokens = args.ppl_tokens if args.ppl_tokens is not None else 4 * args.ctx
     for flag, v in (("--decode-batch", args.decode_batch), ("--decode-tokens", args.decode_tokens),
+                    ("--decode-prompt-tokens", args.decode_prompt_tokens),
                     ("--ppl-tokens", ppl_tokens)):
         if v < 2:
             raise KvslimError(f"{flag} must be >= 2, got {v}")
@@ -75,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     names = names or [p.name for p in paths]
     settings = ReportSettings(tasks=tasks, limit=args.limit, perplexity_tokens=ppl_tokens,
                               kv_budget_bytes=int(args.kv_budget_gib * GIB), decode_batch=args.decode_batch,
-                              decode_new_tokens=args.decode_tokens, context=args.ctx,
+                              decode_new_tokens=args.decode_tokens,
+                              decode_prompt_tokens=args.decode_prompt_tokens, context=args.ctx,
                               retrieval_samples=args.retrieval_samples)
     torch.set_num_threads(min(torch.get_num_threads(), 4))
     rows = []

@@ -130,3 +130,16 @@ def test_recovery_is_mean_ratio_over_tasks_the_baseline_scores():
     base = row({"a": 0.5, "b": 0.8, "c": 0.0})
     assert recovery(base, base) == 1.0
     assert recovery(row({"a": 0.25, "b": 0.8, "c": 0.3}), base) == pytest.approx(0.75)  # c: baseline 0, skipped
+
+
+def test_decode_timing_counts_decode_steps_only(variants):
+    """Prompts longer than a step's token budget prefill in chunks; the timed steps start once every
+    request has its first token, each request decodes at each, and none is left running."""
+    from eval.report import _decode_steps
+    from runtime.engine.engine import Engine, EngineConfig
+
+    engine = Engine.from_checkpoint(variants[0], EngineConfig(dtype="float32", max_num_seqs=3,
+                                                              max_num_batched_tokens=64, enable_prefix_caching=False))
+    prompts = [[10 + i] * 100 for i in range(3)]
+    generated, seconds = _decode_steps(engine, prompts, 5)
+    assert generated == 3 * 5 and seconds > 0 and not engine.has_unfinished
