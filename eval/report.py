@@ -170,15 +170,17 @@ def measure(name: str, ckpt: Path, s: ReportSettings, use_cache: bool = True,
     kv_dtype = chosen or served
     static = has_static_kv_scales(ckpt) and kv_dtype == served
     kv = report_variant(name, config, kv_dtype, s.kv_budget_bytes, s.context, static_scales=static)
-    plan = EvalPlan.make(list(s.tasks), s.limit, s.perplexity_tokens, 8, s.dtype,
-                         kv_cache_dtype=kv_cache_dtype, context=s.context, retrieval_contexts=(s.context,),
-                         retrieval_samples=s.retrieval_samples)
-    results, _ = evaluate_cached(str(ckpt), plan, "kvslim", use_cache)
+    scores = {}
+    if s.tasks:  # none: bytes, capacity and decode alone
+        plan = EvalPlan.make(list(s.tasks), s.limit, s.perplexity_tokens, 8, s.dtype,
+                             kv_cache_dtype=kv_cache_dtype, context=s.context, retrieval_contexts=(s.context,),
+                             retrieval_samples=s.retrieval_samples)
+        scores = evaluate_cached(str(ckpt), plan, "kvslim", use_cache)[0].scores
     ppl_name = next((t for t in s.tasks if t in PERPLEXITY_TASKS), None)
-    ppl = results.scores[ppl_name] if ppl_name else None
-    accuracy = {t: sc.value for t, sc in results.scores.items() if t not in PERPLEXITY_TASKS and t not in RETRIEVAL_TASKS}
-    retrieval = {t: sc.value for t, sc in results.scores.items() if t in RETRIEVAL_TASKS}
-    by_depth = {t: {f"depth{d}": a for d, a in depth_accuracies(results.scores[t].metrics, s.context).items()}
+    ppl = scores[ppl_name] if ppl_name else None
+    accuracy = {t: sc.value for t, sc in scores.items() if t not in PERPLEXITY_TASKS and t not in RETRIEVAL_TASKS}
+    retrieval = {t: sc.value for t, sc in scores.items() if t in RETRIEVAL_TASKS}
+    by_depth = {t: {f"depth{d}": a for d, a in depth_accuracies(scores[t].metrics, s.context).items()}
                 for t in retrieval}
     decode = fastest_decode(ckpt, s, chosen)
     return CheckpointRow(

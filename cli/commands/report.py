@@ -25,7 +25,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--names", help="comma-separated row names (default: directory names)")
     p.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
                    help="comma-separated eval tasks, at most one perplexity entry; retrieval tasks (passkey, needle, "
-                        f"needle_pydoc, multikey) run at --ctx (default: {','.join(DEFAULT_TASKS)})")
+                        f"needle_pydoc, multikey) run at --ctx; '' for none: bytes, capacity and decode alone "
+                        f"(default: {','.join(DEFAULT_TASKS)})")
     p.add_argument("--limit", type=int, help="docs per lm-eval task (default: the pack's fixed per-task limits)")
     p.add_argument("--ppl-tokens", type=int, default=None,
                    help="perplexity tokens of wikipedia:eval (default: 4 contexts, so every row is scored over "

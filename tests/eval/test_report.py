@@ -143,3 +143,13 @@ def test_decode_timing_counts_decode_steps_only(variants):
     prompts = [[10 + i] * 100 for i in range(3)]
     generated, seconds = _decode_steps(engine, prompts, 5)
     assert generated == 3 * 5 and seconds > 0 and not engine.has_unfinished
+
+
+def test_no_tasks_measures_bytes_capacity_and_decode_alone(variants, tmp_path):
+    out = tmp_path / "rep"
+    assert main(["report", str(variants[0]), "--tasks", "", "--ctx", "128", "--kv-budget-gib", "0.01",
+                 "--decode-batch", "2", "--decode-tokens", "4", "--decode-prompt-tokens", "100", "-o", str(out)]) == 0
+    row = json.loads((out / "report.json").read_text())["rows"][0]
+    assert row["accuracy"] == {} and row["retrieval"] == {} and row["perplexity"] is None
+    assert row["decode_tokens_per_s"] > 0 and row["kv_capacity_seqs"] > 0
+    assert "100-token prompts" in (out / "report.md").read_text()
