@@ -63,22 +63,27 @@ def test_a_gate_at_zero_streams_its_head_as_the_runtime_serves_it(model, tiny_ll
         assert (engine.score_targets(tokens) - served).abs().max() > 1e-3  # the head's stream does change them
 
 
+def closing_slope(model, prompt, answer, head: tuple[int, int], at=None, eps: float = 1e-3) -> float:
+    """The answer's log-probability lost per unit of ``head``'s gate closed by ``eps`` from ``at``
+    (every gate 1 when None): a finite difference to hold the gradient against."""
+    gated = GatedAttention(model, (WINDOW,), SINKS, None if at is None else {WINDOW: at})
+    try:
+        with torch.no_grad():
+            base = answer_logprob(model, prompt, answer)
+            gated.gates[WINDOW][head] = gated.gates[WINDOW][head] - eps
+            nudged = answer_logprob(model, prompt, answer)
+    finally:
+        gated.remove()
+    return float(base - nudged) / eps
+
+
 def test_the_score_is_the_answers_log_probability_gradient(model):
     prompt, answer = ids(30), ids(3)
     scores = retrieval_gate_scores(model, [(prompt, answer)], (WINDOW, 64), SINKS)
     assert set(scores) == {WINDOW, 64}
     assert torch.count_nonzero(scores[64]) == 0  # a window longer than the prompt streams nothing
     top = divmod(int(scores[WINDOW].abs().flatten().argmax()), scores[WINDOW].shape[1])
-    eps = 1e-3
-    gated = GatedAttention(model, (WINDOW,), SINKS)
-    try:
-        with torch.no_grad():
-            base = answer_logprob(model, prompt, answer)
-            gated.gates[WINDOW][top] = 1 - eps
-            nudged = answer_logprob(model, prompt, answer)
-    finally:
-        gated.remove()
-    assert (base - nudged) / eps == pytest.approx(float(scores[WINDOW][top]), rel=0.05, abs=1e-4)
+    assert closing_slope(model, prompt, answer, top) == pytest.approx(float(scores[WINDOW][top]), rel=0.05, abs=1e-4)
     assert all(p.requires_grad for p in model.parameters())  # the model is left trainable as it was
 
 
@@ -89,16 +94,7 @@ def test_scores_at_given_gates_are_the_gradient_there(model):
     at[0, :] = 0.0
     scores = retrieval_gate_scores(model, [(prompt, answer)], (WINDOW,), SINKS, {WINDOW: at})[WINDOW]
     top = divmod(int(scores[1:].abs().flatten().argmax()) + at.shape[1], at.shape[1])
-    eps = 1e-3
-    gated = GatedAttention(model, (WINDOW,), SINKS, {WINDOW: at})
-    try:
-        with torch.no_grad():
-            base = answer_logprob(model, prompt, answer)
-            gated.gates[WINDOW][top] = 1 - eps
-            nudged = answer_logprob(model, prompt, answer)
-    finally:
-        gated.remove()
-    assert (base - nudged) / eps == pytest.approx(float(scores[top]), rel=0.05, abs=1e-4)
+    assert closing_slope(model, prompt, answer, top, at) == pytest.approx(float(scores[top]), rel=0.05, abs=1e-4)
     assert torch.equal(at[0], torch.zeros(at.shape[1]))  # the caller's gates are not touched
 
 
