@@ -25,13 +25,16 @@ test: install
 
 ## The quick benchmarks (minutes on 2 cores): KV bytes and capacity, quantized-KV perplexity as
 ## served, decode speed of each weight storage at fp32 vs bf16, a decode step's time eager vs
-## compiled, one layer's paged decode attention gathered vs read in place. JSON lands in runs/.
+## compiled, one layer's paged decode attention gathered vs read in place, one layer's quantized KV
+## read eager vs compiled, decode at context 2,048 per KV cache. JSON lands in runs/.
 bench: install
 	$(PYTHON) -m runtime.cache.kv_report --budget-gib 1 --json runs/kv_report.json
 	$(PYTHON) benchmarks/engine_kv_perplexity.py --tokens 1024 --json runs/engine_kv_ppl.json
 	$(PYTHON) benchmarks/activation_dtype.py speed --batch 1 8 --new-tokens 16 --json runs/activation_dtype_speed.json
 	$(PYTHON) benchmarks/decode_profile.py --concurrency 1 8 --json runs/decode_profile.json
 	$(PYTHON) benchmarks/cpu_paged_decode_attention.py --seqs 1 8 --json runs/cpu_paged_decode_attention.json
+	$(PYTHON) benchmarks/cpu_kv_read.py --json runs/cpu_kv_read.json
+	$(PYTHON) benchmarks/cpu_kv_decode.py smollm2@bf16 smollm2@int4 --json runs/cpu_kv_decode.json
 
 ## On a lent GPU (the environment already set up: GPU machines reach no package index): the GPU
 ## kernel tests, then the kernel roofline, paged attention, and decode: the engine eager and with

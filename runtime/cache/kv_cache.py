@@ -28,6 +28,7 @@ import torch
 from foundation.attention_layout import AttentionLayout
 from foundation.errors import KvslimError
 from foundation.kv_dtype_mix import KvDtypeMix
+from runtime.cache.compiled_kv_read import read_rows
 from runtime.cache.kv_quant import QUANT_DTYPES
 from runtime.cache.kv_rotation import KvRotation
 from runtime.cache.low_bit_kv import LOW_BIT_KV, PARAM_DTYPE, PackedBits, bytes_per_token_head, packed_dim
@@ -429,4 +430,6 @@ class KVCache:
         lc = self.layers[layer]
         if isinstance(lc, PackedLayerCache):
             return lc.gather(blocks, dtype)
-        return gather_blocks(lc.k_cache, lc.k_scale, blocks, dtype), gather_blocks(lc.v_cache, lc.v_scale, blocks, dtype)
+        if lc.k_scale is None:  # bf16 rows: one gather either way
+            return gather_blocks(lc.k_cache, None, blocks, dtype), gather_blocks(lc.v_cache, None, blocks, dtype)
+        return read_rows(lc.k_cache, lc.k_scale, blocks, dtype), read_rows(lc.v_cache, lc.v_scale, blocks, dtype)

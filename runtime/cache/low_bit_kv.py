@@ -28,6 +28,7 @@ bits keys do, after RoPE, and the queries with them.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -112,14 +113,25 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
+# A byte's codes spread one to a byte of a wider integer, which read as bytes (little-endian) are
+# the codes in order: one elementwise op and a view, where a stack of the parts would be a copy
+# (a ``cat`` that inductor cannot fuse into the read).
+_WIDE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """``[..., D * bits / 8]`` uint8 -> uint8 codes ``[..., D]``."""
     if bits == 3:
         low = packed.shape[-1] * 2 // 3  # the 2-bit plane's bytes
         return unpack(packed[..., :low], 2) | (unpack(packed[..., low:], 1) << 2)
     per, mask = 8 // bits, (1 << bits) - 1
-    parts = [(packed >> (bits * j)) & mask for j in range(per)]
-    return torch.stack(parts, dim=-1).flatten(-2)
+    if sys.byteorder != "little":
+        return torch.stack([(packed >> (bits * j)) & mask for j in range(per)], dim=-1).flatten(-2)
+    wide = packed.to(_WIDE[per])
+    spread = wide & mask
+    for j in range(1, per):
+        spread = spread | ((wide << (8 * j - bits * j)) & (mask << (8 * j)))
+    return spread.view(torch.uint8)
 
 
 def _params(lo: torch.Tensor, hi: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,8 +26,9 @@ from typing import Callable
 import torch
 
 from foundation.errors import KvslimError
+from runtime.cache.compiled_kv_read import read_packed_keys, read_packed_values
 from runtime.cache.kv_rotation import KvRotation
-from runtime.cache.low_bit_kv import dequantize_keys, dequantize_values, quantize_key_blocks, quantize_value_rows
+from runtime.cache.low_bit_kv import quantize_key_blocks, quantize_value_rows
 from runtime.cache.packed_recipe import PackedRecipe
 from runtime.cache.residual_slots import ResidualSlots
 from runtime.cache.write_plan import WritePlan
@@ -134,8 +135,8 @@ class PackedLayerCache:
         rows, the rest dequantized."""
         flat = blocks.reshape(-1)
         key_dtype = key_dtype or dtype
-        k = dequantize_keys(self.k_codes[flat], self.k_scale[flat], self.k_min[flat], self.bits.keys, key_dtype)
-        v = dequantize_values(self.v_codes[flat], self.v_scale[flat], self.v_min[flat], self.bits.values, dtype)
+        k = read_packed_keys(self.k_codes, self.k_scale, self.k_min, flat, self.bits.keys, key_dtype)
+        v = read_packed_values(self.v_codes, self.v_scale, self.v_min, flat, self.bits.values, dtype)
         if (self.slot_host >= 0).any():  # some block is open (the host's record: no device read)
             slot = self.slot_of[flat]
             open_ = slot >= 0
