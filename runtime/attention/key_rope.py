@@ -15,6 +15,8 @@ from typing import Any, Callable
 
 import torch
 
+from runtime.cache.compiled_kv_read import CompiledOnCpu
+
 
 def rope_frequencies(rope: Any, head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
     """``(inv_freq [head_dim / 2] fp32, attention_scaling)`` for one rope (a ``RopeSpec``).
@@ -51,6 +53,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+def rotated_keys(k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """Keys ``[..., kv_heads, head_dim]`` at ``positions [...]`` rotated in fp32, returned in ``dtype``."""
+    cos, sin = rotary_cos_sin(positions, inv_freq, scaling, torch.float32)
+    return apply_rotary(k.float(), cos.unsqueeze(-2), sin.unsqueeze(-2)).to(dtype)
+
+
+_read_rotated = CompiledOnCpu(rotated_keys, size_arg=1)
+
+
 @dataclass(frozen=True)
 class KeyRope:
     """One layer's key rotation: its rope's frequencies and attention scaling."""
@@ -78,11 +90,11 @@ class KeyRope:
             self._inv_freq_by_device[device] = self.inv_freq_tensor.to(device)
         return self._inv_freq_by_device[device]
 
-    def rotate(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def rotate(self, k: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Cached keys ``[..., kv_heads, head_dim]`` at ``positions [...]`` rotated in fp32, returned in
-        k's dtype (the read of a layout that stores keys before RoPE)."""
-        cos, sin = rotary_cos_sin(positions, self.inv_freq_on(positions.device), self.scaling, torch.float32)
-        return apply_rotary(k.float(), cos.unsqueeze(-2), sin.unsqueeze(-2)).to(k.dtype)
+        ``dtype`` (default k's; the read of a layout that stores keys before RoPE). On the CPU one
+        compiled pass (``compiled_kv_read``); ``rotated_keys`` is its eager reference."""
+        return _read_rotated(k, positions, self.inv_freq_on(positions.device), self.scaling, dtype or k.dtype)
 
 
 class StepKeyRotary:

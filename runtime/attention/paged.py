@@ -288,7 +288,7 @@ class PagedAttentionBackend:
         if rope is None:
             return self.cache.gather(layer_idx, blocks, dtype)
         kk, vv = self.cache.layers[layer_idx].gather(blocks, dtype, key_dtype=torch.float32)  # a packed layer
-        return rope.rotate(kk, key_pos).to(dtype), vv
+        return rope.rotate(kk, key_pos, dtype), vv
 
     def share_rotary(self, tables: dict) -> None:
         """The decoder's cos/sin of this step by (rope, dtype): the keys rotate by them too."""

@@ -45,17 +45,18 @@ def _packed_values(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, b
 
 class CompiledOnCpu:
     """``fn`` compiled on its first CPU call; eager on any other device, when told, or once compiling
-    failed. ``blocks_arg``: the position of the block ids among ``fn``'s arguments."""
+    failed. ``size_arg``: the position among ``fn``'s arguments of the one whose size a read follows
+    (the block ids; below 2 elements the read runs eagerly)."""
 
-    def __init__(self, fn: Callable[..., torch.Tensor], blocks_arg: int):
+    def __init__(self, fn: Callable[..., torch.Tensor], size_arg: int):
         self.fn = fn
-        self.blocks_arg = blocks_arg
+        self.size_arg = size_arg
         self.compiled: Callable[..., torch.Tensor] | None = None
         self.failed = False
 
     def __call__(self, *args) -> torch.Tensor:
-        # One block or none would make dynamo specialize the size (a recompile) for a read eager does at once.
-        if (self.failed or args[0].device.type != "cpu" or args[self.blocks_arg].numel() < 2
+        # One element or none would make dynamo specialize the size (a recompile) for a read eager does at once.
+        if (self.failed or args[0].device.type != "cpu" or args[self.size_arg].numel() < 2
                 or os.environ.get(EAGER_ENV) == "1"):
             return self.fn(*args)
         if self.compiled is None:
@@ -72,10 +73,10 @@ class CompiledOnCpu:
             return self.fn(*args)
 
 
-read_packed_keys = CompiledOnCpu(_packed_keys, blocks_arg=3)
+read_packed_keys = CompiledOnCpu(_packed_keys, size_arg=3)
 """Key blocks ``blocks [n]`` of ``codes [num_blocks, block_size, kvh, Dp]`` (per-channel ``scale``,
 ``lo [num_blocks, kvh, D]``), ``bits``, ``dtype`` -> ``[n, block_size, kvh, D]`` in ``dtype``."""
-read_packed_values = CompiledOnCpu(_packed_values, blocks_arg=3)
+read_packed_values = CompiledOnCpu(_packed_values, size_arg=3)
 """Value blocks ``blocks [n]`` (per-token ``scale``, ``lo [num_blocks, block_size, kvh]``) -> ``[n, block_size, kvh, D]``."""
-read_rows = CompiledOnCpu(gather_blocks, blocks_arg=2)
+read_rows = CompiledOnCpu(gather_blocks, size_arg=2)
 """``gather_blocks(cache, scale, blocks, dtype)``: FP8/INT8 rows dequantized (bf16 rows are one gather either way)."""

@@ -3,7 +3,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama import modeling_llama as llama
 
-from runtime.attention.key_rope import KeyRope, StepKeyRotary
+from runtime.attention.key_rope import KeyRope, StepKeyRotary, rotated_keys
 from runtime.model.spec import RopeSpec
 
 LLAMA3 = RopeSpec("llama3", 10000.0, (("factor", 8.0), ("low_freq_factor", 1.0), ("high_freq_factor", 4.0),
@@ -31,6 +31,19 @@ def test_cached_keys_rotate_as_transformers():
         # batched positions [S, Tk], as a decode read
         torch.testing.assert_close(key_rope.rotate(k.view(3, 100, 3, 16), positions.view(3, 100)).view(300, 3, 16),
                                    key_rope.rotate(k, positions))
+
+
+def test_the_compiled_read_rotation_matches_its_eager_reference():
+    g = torch.Generator().manual_seed(1)
+    key_rope = KeyRope.of(LLAMA3, 16, 512)
+    k = torch.randn(4, 128, 3, 16, generator=g)  # [S, Tk, KVH, D] as a decode read, fp32 off the cache
+    positions = torch.randint(0, 512, (4, 128), generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        got = key_rope.rotate(k, positions, dtype)
+        want = rotated_keys(k, positions, key_rope.inv_freq_on(k.device), key_rope.scaling, dtype)
+        assert got.dtype == dtype
+        tol = max(torch.finfo(dtype).eps, 2e-6)  # compiled cos/sin (vectorized) differ from libm's by ulps
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
 def test_the_steps_keys_rotate_as_the_decoders_queries():

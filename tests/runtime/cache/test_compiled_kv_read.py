@@ -76,7 +76,7 @@ def test_a_failed_compile_warns_once_and_reads_eagerly(monkeypatch: pytest.Monke
         return run
 
     monkeypatch.setattr(compiled_kv_read.torch, "compile", broken)
-    read = CompiledOnCpu(_packed_keys, blocks_arg=3)
+    read = CompiledOnCpu(_packed_keys, size_arg=3)
     codes, scale, lo = _blocks(4, per_token=False, seed=0)
     blocks = torch.tensor([1, 2, 3])
     with pytest.warns(RuntimeWarning, match=r"KV reads run eagerly: compiling them failed \(RuntimeError: no C"):
@@ -94,7 +94,7 @@ def test_eager_when_asked_and_for_a_single_block(monkeypatch: pytest.MonkeyPatch
         raise AssertionError("compiled although eager was asked")
 
     monkeypatch.setattr(compiled_kv_read.torch, "compile", never)
-    read = CompiledOnCpu(_packed_keys, blocks_arg=3)
+    read = CompiledOnCpu(_packed_keys, size_arg=3)
     codes, scale, lo = _blocks(4, per_token=False, seed=1)
     read(codes, scale, lo, torch.tensor([4]), 4, torch.float32)
     monkeypatch.setenv(EAGER_ENV, "1")
