@@ -60,7 +60,13 @@ def rotated_keys(k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tenso
     return apply_rotary(k.float(), cos.unsqueeze(-2), sin.unsqueeze(-2)).to(dtype)
 
 
-_read_rotated = CompiledOnCpu(rotated_keys, size_arg=1)
+def _rotated_by_table(k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """``rotated_keys`` with cos/sin looked up in tables of every position (``KeyRope.cos_sin_table``)."""
+    return apply_rotary(k.float(), cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2)).to(dtype)
+
+
+_read_rotated = CompiledOnCpu(_rotated_by_table, size_arg=1)
 
 
 @dataclass(frozen=True)
@@ -90,11 +96,28 @@ class KeyRope:
             self._inv_freq_by_device[device] = self.inv_freq_tensor.to(device)
         return self._inv_freq_by_device[device]
 
+    @cached_property
+    def _tables_by_device(self) -> dict[torch.device, tuple[torch.Tensor, torch.Tensor]]:
+        return {}
+
+    def cos_sin_table(self, device: torch.device, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``(cos, sin) [n, head_dim]`` of positions ``0 .. n - 1``, ``n >= length``, scaling
+        applied, as ``rotary_cos_sin`` computes them: kept per device, grown by doubling."""
+        device = torch.device(device)
+        table = self._tables_by_device.get(device)
+        if table is None or table[0].shape[0] < length:
+            n = max(256, 1 << (length - 1).bit_length())
+            table = rotary_cos_sin(torch.arange(n, device=device), self.inv_freq_on(device), self.scaling, torch.float32)
+            self._tables_by_device[device] = table
+        return table
+
     def rotate(self, k: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Cached keys ``[..., kv_heads, head_dim]`` at ``positions [...]`` rotated in fp32, returned in
-        ``dtype`` (default k's; the read of a layout that stores keys before RoPE). On the CPU one
-        compiled pass (``compiled_kv_read``); ``rotated_keys`` is its eager reference."""
-        return _read_rotated(k, positions, self.inv_freq_on(positions.device), self.scaling, dtype or k.dtype)
+        ``dtype`` (default k's; the read of a layout that stores keys before RoPE): cos/sin looked up
+        per position, on the CPU in one compiled pass (``compiled_kv_read``); ``rotated_keys`` is the
+        eager reference, computing them."""
+        cos, sin = self.cos_sin_table(positions.device, int(positions.max()) + 1 if positions.numel() else 1)
+        return _read_rotated(k, positions, cos, sin, dtype or k.dtype)
 
 
 class StepKeyRotary:
