@@ -48,13 +48,16 @@ def case(seqs: int, context: int, reps: int, dtypes: list[str]) -> dict:
     table, n = _table(seqs, -(-context // BF16_BLOCK), g)
     k_cache = torch.randn(n, BF16_BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(dt)
     v_cache = torch.randn(n, BF16_BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(dt)
-    rows = {"bf16, gathered": ms(lambda: (gather_blocks(k_cache, None, table, dt), gather_blocks(v_cache, None, table, dt)), reps)}
+    def bf16():
+        return gather_blocks(k_cache, None, table, dt), gather_blocks(v_cache, None, table, dt)
+
+    rows = {"bf16, gathered": ms(bf16, reps)}
     table, n = _table(seqs, -(-context // PACKED_BLOCK), g)
     flat = table.reshape(-1)
     for name in dtypes:
         bits = LOW_BIT_KV[name]
-        kc = torch.randint(0, 256, (n, PACKED_BLOCK, KV_HEADS, packed_dim(HEAD_DIM, bits.keys)), dtype=torch.uint8, generator=g)
-        vc = torch.randint(0, 256, (n, PACKED_BLOCK, KV_HEADS, packed_dim(HEAD_DIM, bits.values)), dtype=torch.uint8, generator=g)
+        kc, vc = (torch.randint(0, 256, (n, PACKED_BLOCK, KV_HEADS, packed_dim(HEAD_DIM, b)), dtype=torch.uint8,
+                                generator=g) for b in (bits.keys, bits.values))
         ks, km = (torch.rand(n, KV_HEADS, HEAD_DIM, generator=g).half() for _ in range(2))
         vs, vm = (torch.rand(n, PACKED_BLOCK, KV_HEADS, generator=g).half() for _ in range(2))
 
@@ -62,7 +65,8 @@ def case(seqs: int, context: int, reps: int, dtypes: list[str]) -> dict:
             return _packed_keys(kc, ks, km, flat, bits.keys, dt), _packed_values(vc, vs, vm, flat, bits.values, dt)
 
         def compiled():
-            return read_packed_keys(kc, ks, km, flat, bits.keys, dt), read_packed_values(vc, vs, vm, flat, bits.values, dt)
+            return (read_packed_keys(kc, ks, km, flat, bits.keys, dt),
+                    read_packed_values(vc, vs, vm, flat, bits.values, dt))
 
         err = max((a.float() - b.float()).abs().max().item() for a, b in zip(compiled(), eager()))
         if read_packed_keys.failed or read_packed_values.failed:
@@ -90,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         cases = [case(s, args.context, args.reps, args.dtypes) for s in args.seqs]
     names = list(cases[0]["ms"])
     print(f"\none layer's K+V read, {KV_HEADS} KV heads of {HEAD_DIM}, into bf16, {args.context} tokens per sequence, "
-          f"{args.threads} threads ({platform.processor() or platform.machine()}; CPU flags: {cpu_flags()}); ms per read")
+          f"{args.threads} threads ({platform.processor() or platform.machine()}; CPU flags: {cpu_flags()}); "
+          "ms per read")
     width = max(len(n) for n in names) + 2
     print(f"{'read':<{width}s}" + "".join(f"{c['seqs']:>10d} seq" for c in cases))
     for name in names:

@@ -107,7 +107,8 @@ class KeyRope:
         table = self._tables_by_device.get(device)
         if table is None or table[0].shape[0] < length:
             n = max(256, 1 << (length - 1).bit_length())
-            table = rotary_cos_sin(torch.arange(n, device=device), self.inv_freq_on(device), self.scaling, torch.float32)
+            positions = torch.arange(n, device=device)
+            table = rotary_cos_sin(positions, self.inv_freq_on(device), self.scaling, torch.float32)
             self._tables_by_device[device] = table
         return table
 
@@ -115,9 +116,12 @@ class KeyRope:
         """Cached keys ``[..., kv_heads, head_dim]`` at ``positions [...]`` rotated in fp32, returned in
         ``dtype`` (default k's; the read of a layout that stores keys before RoPE): cos/sin looked up
         per position, on the CPU in one compiled pass (``compiled_kv_read``); ``rotated_keys`` is the
-        eager reference, computing them."""
+        eager reference, computing them (and the path off the CPU, where a table's length would cost a sync)."""
+        dtype = dtype or k.dtype
+        if positions.device.type != "cpu":
+            return rotated_keys(k, positions, self.inv_freq_on(positions.device), self.scaling, dtype)
         cos, sin = self.cos_sin_table(positions.device, int(positions.max()) + 1 if positions.numel() else 1)
-        return _read_rotated(k, positions, cos, sin, dtype or k.dtype)
+        return _read_rotated(k, positions, cos, sin, dtype)
 
 
 class StepKeyRotary:

@@ -77,6 +77,7 @@ read_packed_keys = CompiledOnCpu(_packed_keys, size_arg=3)
 """Key blocks ``blocks [n]`` of ``codes [num_blocks, block_size, kvh, Dp]`` (per-channel ``scale``,
 ``lo [num_blocks, kvh, D]``), ``bits``, ``dtype`` -> ``[n, block_size, kvh, D]`` in ``dtype``."""
 read_packed_values = CompiledOnCpu(_packed_values, size_arg=3)
-"""Value blocks ``blocks [n]`` (per-token ``scale``, ``lo [num_blocks, block_size, kvh]``) -> ``[n, block_size, kvh, D]``."""
+"""Value blocks ``blocks [n]`` (per-token ``scale``, ``lo [num_blocks, block_size, kvh]``)
+-> ``[n, block_size, kvh, D]``."""
 read_rows = CompiledOnCpu(gather_blocks, size_arg=2)
 """``gather_blocks(cache, scale, blocks, dtype)``: FP8/INT8 rows dequantized (bf16 rows are one gather either way)."""

@@ -20,7 +20,8 @@ NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM = 24, 64, 3, 64
 
 def _blocks(bits: int, per_token: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 256, (NUM_BLOCKS, BLOCK, KV_HEADS, packed_dim(HEAD_DIM, bits)), dtype=torch.uint8, generator=g)
+    shape = (NUM_BLOCKS, BLOCK, KV_HEADS, packed_dim(HEAD_DIM, bits))
+    codes = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
     params = (NUM_BLOCKS, BLOCK, KV_HEADS) if per_token else (NUM_BLOCKS, KV_HEADS, HEAD_DIM)
     scale = torch.rand(params, generator=g).to(torch.float16)
     lo = torch.randn(params, generator=g).to(torch.float16)
