@@ -14,7 +14,6 @@ import argparse
 import json
 import platform
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, when run as a script
@@ -22,15 +21,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, w
 import torch  # noqa: E402
 
 KV_HEADS, HEAD_DIM, BF16_BLOCK, PACKED_BLOCK = 3, 64, 16, 64
-
-
-def ms(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t0) / reps * 1e3
 
 
 def _table(seqs: int, blocks_each: int, g: torch.Generator) -> tuple[torch.Tensor, int]:
@@ -42,6 +32,8 @@ def case(seqs: int, context: int, reps: int, dtypes: list[str]) -> dict:
     from runtime.cache.low_bit_kv import LOW_BIT_KV, packed_dim
     from runtime.cache.compiled_kv_read import _packed_keys, _packed_values, read_packed_keys, read_packed_values
     from runtime.cache.paged_rows import gather_blocks
+
+    from cpu_paged_decode_attention import ms  # a sibling script
 
     g = torch.Generator().manual_seed(seqs)
     dt = torch.bfloat16
